@@ -1,0 +1,84 @@
+"""Connector settings: defaults, the reference design's environment names, validation."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from connector.buffers import DTYPE_SIZES, BufferPool
+
+# field name -> environment variable read by ConnectorConfig.from_env
+ENV_NAMES = {
+    "block_size": "SGLANG_MULTIMODAL_BLOCK_SIZE",
+    "num_blocks": "SGLANG_EMBEDDING_CACHE_BUFFER_SIZE",
+    "default_allocate_tokens": "SGLANG_EMBEDDING_DEFAULT_ALLOCATE_BUFFER_SIZE",
+    "bootstrap_timeout": "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+    "waiting_timeout": "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
+    "resume_timeout": "SGLANG_EMBEDDING_RESUME_TIMEOUT",
+    "heartbeat_interval": "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL",
+    "heartbeat_max_failures": "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
+    "abort_ack_timeout": "SGLANG_EMBEDDING_ABORT_ACK_TIMEOUT",
+    "transfer_workers": "SGLANG_EMBEDDING_TRANSFER_WORKERS",
+}
+
+
+@dataclass
+class ConnectorConfig:
+    host: str = "127.0.0.1"
+    hidden_size: int = 3584
+    dtype: str = "bfloat16"
+    block_size: int = 128  # tokens per block
+    num_blocks: int = 512  # blocks per pool (512 x 128 tokens x 3584 bf16 = 449 MiB)
+    default_allocate_tokens: int = 8192  # what the language side allocates before it knows the size
+    protocol: str = "tcp"  # Mooncake transport: tcp or rdma
+    ib_device: str = ""
+    completion: str = "poll"  # Mooncake completion strategy, see connector.mooncake_transport
+    bootstrap_timeout: float = 300.0  # encode side: waiting for the init of a room
+    waiting_timeout: float = 300.0  # language side: no status for a room after init/resume
+    resume_timeout: float = 300.0  # encode side: a partial room waiting for its resume
+    heartbeat_interval: float = 5.0
+    heartbeat_max_failures: int = 2
+    abort_ack_timeout: float = 10.0  # then the peer is declared dead and its blocks freed
+    transfer_workers: int = 2
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        for name in ("hidden_size", "block_size", "num_blocks", "default_allocate_tokens",
+                     "heartbeat_max_failures", "transfer_workers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("bootstrap_timeout", "waiting_timeout", "resume_timeout", "heartbeat_interval",
+                     "abort_ack_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+
+    @property
+    def default_allocate_blocks(self) -> int:
+        """The default allocation, rounded up to whole blocks."""
+        return -(-self.default_allocate_tokens // self.block_size)
+
+    @property
+    def pool_bytes(self) -> int:
+        return BufferPool.bytes_for(self.num_blocks, self.block_size, self.hidden_size, self.dtype)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> "ConnectorConfig":
+        """Defaults, then the environment names in ``ENV_NAMES``, then ``overrides``."""
+        env = os.environ if environ is None else environ
+        types = {f.name: f.type for f in fields(cls)}
+        values: dict[str, object] = {}
+        for name, var in ENV_NAMES.items():
+            if var in env:
+                cast = int if types[name] in (int, "int") else float
+                try:
+                    values[name] = cast(env[var])
+                except ValueError:
+                    raise ValueError(f"{var}={env[var]!r} is not a valid {cast.__name__}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]

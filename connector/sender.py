@@ -1,0 +1,409 @@
+"""Encode side of the connector: receives init/resume/abort, writes rounds, reports status.
+
+One :class:`EmbeddingSenderManager` per encode worker owns the source pool, its allocator,
+the transport, the PULL socket and the transfer worker threads. Each request gets an
+:class:`EmbeddingSender` (SGLang's ``BaseKVSender`` shape: ``send``, ``poll``,
+``failure_exception``, ``abort``).
+
+A room's life: ``Bootstrapping`` until all ``required_dst_info_num`` inits arrived and the
+source blocks were handed over, then ``WaitingForInput`` -> one round of
+``min(remaining, allocated)`` tokens -> ``Transferring`` (partial: wait for a resume) or
+``Success``. The manager frees the room's source blocks when it ends and no write of it is
+in flight; aborts are acknowledged only then.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from connector.addressing import plan_round
+from connector.allocator import BlockAllocator
+from connector.buffers import BufferPool
+from connector.config import ConnectorConfig
+from connector.messages import (AbortAckMsg, AbortMsg, InitMsg, ProtocolError, RegisterMsg, ResumeMsg,
+                                StatusMsg, check_blocks, decode_encoder_bound)
+from connector.poll import KVPoll, RoomState, TransferFailure
+from connector.transport import TransferError, Transport
+from connector.zmq_link import PullLoop, PushSockets
+
+log = logging.getLogger(__name__)
+
+_CONCLUDED_GRACE_S = 60.0  # how long a finished room is remembered for late aborts
+
+
+@dataclass
+class _Peer:
+    """A language worker that sent ``register`` (keyed by its Mooncake session id)."""
+
+    endpoint: str
+    port: int
+    base_ptrs: tuple[int, ...]
+    generation: int | None
+    num_blocks: int | None
+    mismatch: str  # why this peer's pool cannot receive from ours; empty when compatible
+
+
+@dataclass
+class _Destination:
+    endpoint: str
+    port: int
+    session_id: str
+    block_ids: tuple[int, ...]
+    allocated_tokens: int
+    ready: bool = True  # has blocks for the round to come
+
+
+@dataclass
+class _Room:
+    room: int
+    state: RoomState = field(default_factory=RoomState)
+    required_dsts: int = 0  # 0 until the first init arrives
+    dsts: list[_Destination] = field(default_factory=list)
+    src_blocks: list[int] | None = None
+    total_tokens: int = 0
+    in_flight: bool = False
+    pending_acks: list[AbortMsg] = field(default_factory=list)
+    deadline: float = 0.0
+    concluded_at: float | None = None
+    freed: bool = False
+
+
+class EmbeddingSender:
+    """One request's sending end; cheap, all work happens in the manager."""
+
+    def __init__(self, manager: "EmbeddingSenderManager", room: int) -> None:
+        self._manager, self.room = manager, room
+
+    def send(self, block_ids: list[int], total_tokens: int) -> None:
+        """Hand over the source blocks holding ``total_tokens`` tokens (the manager frees them)."""
+        self._manager._handover(self.room, block_ids, total_tokens)
+
+    def poll(self) -> KVPoll:
+        return self._manager._room(self.room).state.status
+
+    @property
+    def sent_tokens(self) -> int:
+        return self._manager._room(self.room).state.progress.sent_tokens
+
+    def failure_exception(self) -> None:
+        state = self._manager._room(self.room).state
+        if state.status == KVPoll.Failed:
+            raise TransferFailure(f"room {self.room}: {state.reason}")
+
+    def abort(self, reason: str = "aborted by the encode side") -> None:
+        self._manager._abort_local(self.room, reason)
+
+
+class EmbeddingSenderManager:
+    def __init__(self, config: ConnectorConfig, transport: Transport, pool: BufferPool,
+                 allocator: BlockAllocator) -> None:
+        if pool.block_size != config.block_size or pool.hidden_size != config.hidden_size:
+            raise ValueError("pool geometry does not match the connector config")
+        self.config, self.transport, self.pool, self.allocator = config, transport, pool, allocator
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._lock = threading.RLock()
+        self._rooms: dict[int, _Room] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._work: queue.Queue[int | None] = queue.Queue()
+        self._stop = threading.Event()
+        transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
+        self._context = zmq.Context()
+        self._push = PushSockets(self._context)
+        self._pull = PullLoop(self._context, config.host, self._on_message, "encode-connector-pull")
+        self.rank_port = self._pull.port
+        self._threads = [threading.Thread(target=self._transfer_worker, name=f"encode-transfer-{i}", daemon=True)
+                         for i in range(config.transfer_workers)]
+        self._threads.append(threading.Thread(target=self._housekeeping, name="encode-housekeeping", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    # ---- API -------------------------------------------------------------------------------
+
+    def create_sender(self, room: int) -> EmbeddingSender:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None and r.src_blocks is not None:
+                raise ValueError(f"room {room} is already in use")
+            if r is None:
+                self._rooms[room] = _Room(room, deadline=time.monotonic() + self.config.bootstrap_timeout)
+        return EmbeddingSender(self, room)
+
+    def active_rooms(self) -> int:
+        with self._lock:
+            return sum(1 for r in self._rooms.values() if r.concluded_at is None)
+
+    def close(self) -> None:
+        self._stop.set()
+        for _ in self._threads:
+            self._work.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+        self._pull.close()
+        self._push.close()
+        self._context.term()
+        self.transport.unregister([b.ctypes.data for b in self.pool.buffers])
+
+    # ---- room bookkeeping --------------------------------------------------------------------
+
+    def _room(self, room: int) -> _Room:
+        with self._lock:
+            r = self._rooms.get(room)
+        if r is None:
+            raise KeyError(f"room {room} is unknown or expired")
+        return r
+
+    def _handover(self, room: int, block_ids: list[int], total_tokens: int) -> None:
+        if total_tokens <= 0 or self.pool.blocks_for(total_tokens) != len(block_ids):
+            raise ValueError(f"{total_tokens} tokens need {self.pool.blocks_for(max(total_tokens, 1))} "
+                             f"source blocks, got {len(block_ids)}")
+        with self._lock:
+            r = self._room(room)
+            if r.src_blocks is not None:
+                raise ValueError(f"room {room}: send() called twice")
+            r.src_blocks, r.total_tokens = list(block_ids), total_tokens
+            if r.state.status == KVPoll.Failed:
+                self._conclude(r)
+                return
+            self._maybe_start(r)
+
+    def _maybe_start(self, r: _Room) -> None:
+        """Queue the next round once every destination is ready and the data is there."""
+        if r.src_blocks is None or not r.required_dsts or len(r.dsts) < r.required_dsts:
+            return
+        if not all(d.ready for d in r.dsts) or r.in_flight or r.state.progress.terminal:
+            return
+        for d in r.dsts:
+            d.ready = False
+        r.in_flight = True
+        self._work.put(r.room)
+
+    def _fail(self, r: _Room, reason: str, notify: bool = True) -> None:
+        """Fail a room; tell its destinations; free it once nothing is in flight."""
+        if not r.state.fail(reason):
+            return
+        self.stats[f"failed:{reason.split(':')[0]}"] += 1
+        log.warning("room %d failed: %s", r.room, reason)
+        if notify:
+            for d in r.dsts:
+                self._status(d.endpoint, d.port, StatusMsg(r.room, KVPoll.Failed, r.state.progress.sent_tokens, reason))
+        if not r.in_flight:
+            self._conclude(r)
+
+    def _conclude(self, r: _Room) -> None:
+        """Called with the lock held when a room ended and no write of it is in flight."""
+        if r.concluded_at is None:
+            r.concluded_at = time.monotonic()
+        if r.src_blocks is not None and not r.freed:
+            r.freed = True
+            self.allocator.free(r.src_blocks)
+        for ack in r.pending_acks:
+            self._push_safe(ack.endpoint, ack.dst_port, AbortAckMsg(r.room, ack.generation).encode())
+        r.pending_acks.clear()
+
+    def _abort_local(self, room: int, reason: str) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None:
+                self._fail(r, reason)
+
+    def _status(self, host: str, port: int, msg: StatusMsg) -> None:
+        self._push_safe(host, port, msg.encode())
+
+    def _push_safe(self, host: str, port: int, frames: list[bytes]) -> None:
+        try:
+            self._push.send(host, port, frames)
+        except zmq.ZMQError as exc:
+            log.warning("cannot reach language peer %s:%d: %s", host, port, exc)
+
+    # ---- control messages ------------------------------------------------------------------
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        try:
+            msg = decode_encoder_bound(frames)
+        except ProtocolError as exc:
+            self.stats["bad_message"] += 1
+            log.warning("dropping malformed control message: %s", exc)
+            self._answer_undecodable(frames, str(exc))
+            return
+        with self._lock:
+            if isinstance(msg, RegisterMsg):
+                self._on_register(msg)
+            elif isinstance(msg, AbortMsg):
+                self._on_abort(msg)
+            else:
+                self._on_round_request(msg)
+
+    def _answer_undecodable(self, frames: list[bytes], reason: str) -> None:
+        """A bad init/resume still names its room and reply address where those frames parse."""
+        try:
+            room, host, port = int(frames[0]), frames[1].decode("ascii"), int(frames[2])
+        except (ValueError, IndexError, UnicodeDecodeError):
+            return
+        if 0 <= room < 2**63 and 0 < port < 65536:
+            with self._lock:
+                r = self._rooms.get(room)
+                if r is not None and r.concluded_at is None:
+                    self._fail(r, f"bad message from {host}:{port}: {reason}", notify=False)
+            self._status(host, port, StatusMsg(room, KVPoll.Failed, 0, f"rejected message: {reason}"))
+
+    def _on_register(self, msg: RegisterMsg) -> None:
+        mismatch = ""
+        if len(msg.base_ptrs) < 4:
+            mismatch = f"peer registered {len(msg.base_ptrs)} buffers, need 4"
+        elif msg.item_lens is not None and tuple(msg.item_lens[:4]) != self.pool.item_lens:
+            mismatch = (f"pool layout mismatch: peer item lengths {msg.item_lens[:4]} vs ours "
+                        f"{self.pool.item_lens} (block size or hidden size differ)")
+        old_sessions = [s for s, p in self._peers.items()
+                        if (p.endpoint, p.port) == (msg.endpoint, msg.dst_port) and s != msg.session_id]
+        for session in old_sessions:  # the peer restarted: its old incarnation's rooms are dead
+            del self._peers[session]
+            for r in list(self._rooms.values()):
+                if any(d.session_id == session for d in r.dsts):
+                    self._fail(r, f"language peer {msg.endpoint}:{msg.dst_port} restarted", notify=False)
+        self._peers[msg.session_id] = _Peer(msg.endpoint, msg.dst_port, msg.base_ptrs, msg.generation,
+                                            msg.num_blocks, mismatch)
+        if mismatch:
+            log.warning("language peer %s: %s", msg.session_id, mismatch)
+
+    def _on_abort(self, msg: AbortMsg) -> None:
+        r = self._rooms.get(msg.room)
+        if r is None:
+            self._push_safe(msg.endpoint, msg.dst_port, AbortAckMsg(msg.room, msg.generation).encode())
+            return
+        r.pending_acks.append(msg)
+        self._fail(r, f"aborted by language peer {msg.endpoint}:{msg.dst_port}", notify=False)
+        if not r.in_flight:
+            self._conclude(r)
+
+    def _on_round_request(self, msg: InitMsg | ResumeMsg) -> None:
+        peer = self._peers.get(msg.session_id)
+        reason = ""
+        if peer is None:
+            reason = f"session {msg.session_id} never registered"
+        elif peer.mismatch:
+            reason = peer.mismatch
+        else:
+            try:
+                check_blocks(msg.block_ids, msg.allocated_tokens, self.config.block_size, peer.num_blocks)
+            except ProtocolError as exc:
+                reason = str(exc)
+        r = self._rooms.get(msg.room)
+        if isinstance(msg, ResumeMsg) and not reason:
+            reason = self._check_resume(r, msg)
+        if reason:
+            self.stats["rejected_message"] += 1
+            if r is not None and r.concluded_at is None:
+                self._fail(r, reason, notify=False)
+            self._status(msg.endpoint, msg.dst_port, StatusMsg(msg.room, KVPoll.Failed, 0, reason))
+            return
+        dst = _Destination(msg.endpoint, msg.dst_port, msg.session_id, msg.block_ids, msg.allocated_tokens)
+        if isinstance(msg, InitMsg):
+            if r is None:  # the init came before the encode request: hold it until send()
+                r = self._rooms[msg.room] = _Room(msg.room, deadline=time.monotonic() + self.config.bootstrap_timeout)
+            if r.state.status != KVPoll.Bootstrapping or r.required_dsts and len(r.dsts) >= r.required_dsts:
+                self._status(msg.endpoint, msg.dst_port,
+                             StatusMsg(msg.room, KVPoll.Failed, 0, f"room {msg.room} already initialised"))
+                return
+            r.required_dsts = msg.required_dst_info_num
+            r.dsts.append(dst)
+            if len(r.dsts) == r.required_dsts:
+                r.state.advance(KVPoll.WaitingForInput)
+        else:
+            assert r is not None
+            slot = next(d for d in r.dsts if d.session_id == msg.session_id)
+            slot.block_ids, slot.allocated_tokens, slot.ready = msg.block_ids, msg.allocated_tokens, True
+            if all(d.ready for d in r.dsts):
+                r.state.advance(KVPoll.WaitingForInput, msg.sent_tokens)
+        self._maybe_start(r)
+
+    def _check_resume(self, r: _Room | None, msg: ResumeMsg) -> str:
+        if r is None or r.concluded_at is not None:
+            return f"resume for unknown or finished room {msg.room}"
+        if not any(d.session_id == msg.session_id for d in r.dsts):
+            return f"resume for room {msg.room} from session {msg.session_id}, which did not init it"
+        progress = r.state.progress
+        if progress.status != KVPoll.Transferring:
+            return f"resume for room {msg.room} in state {progress.status.name}"
+        if msg.sent_tokens != progress.sent_tokens:
+            return f"resume sent_tokens {msg.sent_tokens} != {progress.sent_tokens} already sent"
+        return ""
+
+    # ---- transfer workers ------------------------------------------------------------------
+
+    def _transfer_worker(self) -> None:
+        while True:
+            room = self._work.get()
+            if room is None:
+                return
+            with self._lock:
+                r = self._rooms[room]
+                start = r.state.progress.sent_tokens
+                dsts = list(r.dsts)
+                failed = r.state.status == KVPoll.Failed
+            error = "" if failed else self._write_round(r, start, dsts)
+            with self._lock:
+                r.in_flight = False
+                if error:
+                    self._fail(r, error)
+                elif r.state.status != KVPoll.Failed:
+                    self._finish_round(r, start, dsts)
+                if r.state.status == KVPoll.Failed:
+                    self._conclude(r)
+
+    def _write_round(self, r: _Room, start: int, dsts: list[_Destination]) -> str:
+        assert r.src_blocks is not None
+        bs = self.config.block_size
+        first_src = start // bs
+        for d in dsts:
+            tokens = min(r.total_tokens - start, d.allocated_tokens)
+            peer = self._peers.get(d.session_id)
+            if peer is None:
+                return f"language peer session {d.session_id} is gone"
+            plan = plan_round(r.src_blocks[first_src:], list(d.block_ids), tokens, bs, self.pool.base_ptrs,
+                              peer.base_ptrs, self.pool.item_lens, with_aux=start == 0)
+            try:
+                self.transport.write(d.session_id, plan.src_addrs, plan.dst_addrs, plan.lengths)
+            except TransferError as exc:
+                return f"transfer to language peer {d.endpoint}:{d.port} failed: {exc}"
+            self.stats["bytes_sent"] += plan.nbytes
+        return ""
+
+    def _finish_round(self, r: _Room, start: int, dsts: list[_Destination]) -> None:
+        sent = start + min(r.total_tokens - start, min(d.allocated_tokens for d in dsts))
+        if sent >= r.total_tokens:
+            r.state.advance(KVPoll.Success, sent)
+            self._conclude(r)
+            status = KVPoll.Success
+        else:
+            r.state.advance(KVPoll.Transferring, sent)
+            r.deadline = time.monotonic() + self.config.resume_timeout
+            status = KVPoll.Transferring
+        for d in dsts:
+            self._status(d.endpoint, d.port, StatusMsg(r.room, status, sent))
+
+    # ---- timeouts --------------------------------------------------------------------------
+
+    def _housekeeping(self) -> None:
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                for room, r in list(self._rooms.items()):
+                    if r.concluded_at is not None:
+                        if now - r.concluded_at > _CONCLUDED_GRACE_S:
+                            del self._rooms[room]
+                        continue
+                    if r.in_flight or now < r.deadline:
+                        continue
+                    status = r.state.status
+                    if status == KVPoll.Transferring:
+                        self._fail(r, f"timeout: no resume within {self.config.resume_timeout:g}s")
+                    elif status in (KVPoll.Bootstrapping, KVPoll.WaitingForInput):
+                        what = "init" if len(r.dsts) < max(r.required_dsts, 1) else "encoded data"
+                        self._fail(r, f"timeout: bootstrap, no {what} within {self.config.bootstrap_timeout:g}s")

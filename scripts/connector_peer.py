@@ -1,0 +1,141 @@
+"""An encode-side connector in its own process, driven over a JSON control socket.
+
+Used by the connector tests and ``bench_transfer.py`` as the real second process: it runs a
+Mooncake transfer engine, a source pool, the sender manager and the bootstrap server, and
+stages deterministic embeddings on request. It prints one line ``READY {json}`` with its
+ports once it listens. Control requests (ZMQ REQ/REP, JSON, no pickle):
+
+* ``{"op": "stage", "room", "tokens", "seed"}`` -> ``{"digests"}``: fill blocks and ``send()``
+* ``{"op": "status", "room"}`` -> ``{"status", "reason"}``
+* ``{"op": "stats"}`` -> ``{"free_blocks", "num_blocks", "active_rooms", "counters"}``
+* ``{"op": "shutdown"}``
+
+It also serves a plain TCP socket for the benchmark's baseline: send an 8-byte little-endian
+length, receive that many bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from connector.allocator import BlockAllocator  # noqa: E402
+from connector.bootstrap import BootstrapServer  # noqa: E402
+from connector.buffers import BufferPool, Embedding  # noqa: E402
+from connector.config import ConnectorConfig  # noqa: E402
+from connector.mooncake_transport import MooncakeTransport  # noqa: E402
+from connector.sender import EmbeddingSender, EmbeddingSenderManager  # noqa: E402
+
+
+def synthetic_embedding(tokens: int, hidden: int, dtype: str, seed: int) -> Embedding:
+    """Deterministic, content-rich test data for ``tokens`` tokens."""
+    rng = np.random.default_rng(seed)
+    emb = Embedding.empty(tokens, hidden, dtype)
+    emb.embeddings[:] = np.frombuffer(rng.bytes(emb.embeddings.nbytes), np.uint8).reshape(emb.embeddings.shape)
+    emb.fill_ids[:] = 151655  # Qwen2.5-VL <|image_pad|>
+    emb.mrope_positions[:] = rng.integers(0, 1 << 20, size=(3, tokens), dtype=np.int32)
+    emb.aux[0], emb.aux[1] = tokens, int(seed % 1000)
+    return emb
+
+
+def serve_socket_baseline(host: str, payload: np.ndarray) -> int:
+    """Loopback socket server for the benchmark baseline; returns its port."""
+    server = socket.create_server((host, 0))
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            view = memoryview(payload).cast("B")
+            while header := conn.recv(8, socket.MSG_WAITALL):
+                (n,) = struct.unpack("<Q", header)
+                conn.sendall(view[:n])
+
+    def accept() -> None:
+        while True:
+            conn, _ = server.accept()
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return server.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--bootstrap-port", type=int, default=0)
+    ap.add_argument("--num-blocks", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--hidden-size", type=int, default=3584)
+    ap.add_argument("--resume-timeout", type=float, default=60.0)
+    ap.add_argument("--bootstrap-timeout", type=float, default=60.0)
+    ap.add_argument("--completion", default="poll")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="peer %(levelname)s %(name)s: %(message)s")
+
+    config = ConnectorConfig(host=args.host, num_blocks=args.num_blocks, block_size=args.block_size,
+                             hidden_size=args.hidden_size, resume_timeout=args.resume_timeout,
+                             bootstrap_timeout=args.bootstrap_timeout, completion=args.completion)
+    pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
+    allocator = BlockAllocator(config.num_blocks)
+    transport = MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion)
+    manager = EmbeddingSenderManager(config, transport, pool, allocator)
+    bootstrap = BootstrapServer(args.host, args.bootstrap_port)
+    bootstrap.put_route(1, 1, args.host, manager.rank_port, 0)
+    socket_port = serve_socket_baseline(args.host, pool.embeddings)
+
+    ctx = zmq.Context()
+    rep = ctx.socket(zmq.REP)
+    control_port = rep.bind_to_random_port(f"tcp://{args.host}")
+    senders: dict[int, EmbeddingSender] = {}
+    print("READY " + json.dumps({"bootstrap_port": bootstrap.port, "control_port": control_port,
+                                 "socket_port": socket_port, "rank_port": manager.rank_port}), flush=True)
+
+    while True:
+        req = json.loads(rep.recv())
+        op = req.get("op")
+        try:
+            if op == "stage":
+                emb = synthetic_embedding(int(req["tokens"]), config.hidden_size, config.dtype, int(req["seed"]))
+                deadline = time.monotonic() + 30
+                while (blocks := allocator.allocate(pool.blocks_for(emb.num_tokens))) is None:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("source pool full for 30 s")
+                    time.sleep(0.01)
+                pool.write(blocks, emb)
+                sender = manager.create_sender(int(req["room"]))
+                sender.send(blocks, emb.num_tokens)
+                senders[sender.room] = sender
+                reply = {"digests": emb.digests()}
+            elif op == "status":
+                sender = senders[int(req["room"])]
+                status = sender.poll()
+                reply = {"status": status.name, "reason": manager._room(sender.room).state.reason}
+            elif op == "stats":
+                reply = {"free_blocks": allocator.free_blocks, "num_blocks": allocator.num_blocks,
+                         "active_rooms": manager.active_rooms(), "counters": dict(manager.stats)}
+            elif op == "shutdown":
+                rep.send(json.dumps({"ok": True}).encode())
+                break
+            else:
+                reply = {"error": f"unknown op {op!r}"}
+        except Exception as exc:  # report to the driver instead of dying
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        rep.send(json.dumps(reply).encode())
+    manager.close()
+    bootstrap.close()
+    transport.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Start ``connector_peer.py`` as a child process and talk to its control socket."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import zmq
+
+PEER_SCRIPT = Path(__file__).resolve().parent / "connector_peer.py"
+
+
+class EncodePeer:
+    """A real encode-side connector process; ``call`` sends one JSON control request."""
+
+    def __init__(self, *args: str, startup_timeout: float = 60.0) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(PEER_SCRIPT), *args], stdout=subprocess.PIPE, text=True)
+        line = self._read_ready(startup_timeout)
+        self.info = json.loads(line.split(" ", 1)[1])
+        self.bootstrap_addr = f"127.0.0.1:{self.info['bootstrap_port']}"
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.REQ)
+        self._sock.setsockopt(zmq.RCVTIMEO, int(startup_timeout * 1000))
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(f"tcp://127.0.0.1:{self.info['control_port']}")
+
+    def _read_ready(self, timeout: float) -> str:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        assert self.proc.stdout is not None
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            self.proc.kill()
+            raise RuntimeError(f"encode peer did not start within {timeout:g}s")
+        line = self.proc.stdout.readline()
+        if not line.startswith("READY "):
+            self.proc.kill()
+            raise RuntimeError(f"encode peer failed to start: {line!r}")
+        return line
+
+    def call(self, op: str, **fields: object) -> dict:
+        self._sock.send(json.dumps({"op": op, **fields}).encode())
+        reply = json.loads(self._sock.recv())
+        if "error" in reply:
+            raise RuntimeError(f"encode peer: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call("shutdown")
+                self.proc.wait(timeout=15)
+            except (zmq.ZMQError, subprocess.TimeoutExpired, RuntimeError):
+                self.proc.kill()
+                self.proc.wait()
+        self._sock.close()
+        self._ctx.term()
