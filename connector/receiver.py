@@ -335,6 +335,7 @@ class EmbeddingReceiverManager:
                 return
             if isinstance(msg, AbortAckMsg):
                 if msg.generation == self.generation and receiver.state.status == KVPoll.Failed:
+                    self.stats["abort_acked"] += 1
                     receiver._release_failed()
                 else:
                     self.stats["stale_message"] += 1

@@ -92,6 +92,10 @@ class EmbeddingSender:
     def sent_tokens(self) -> int:
         return self._manager._room(self.room).state.progress.sent_tokens
 
+    @property
+    def failure_reason(self) -> str:
+        return self._manager._room(self.room).state.reason
+
     def failure_exception(self) -> None:
         state = self._manager._room(self.room).state
         if state.status == KVPoll.Failed:

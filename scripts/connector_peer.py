@@ -120,7 +120,7 @@ def main() -> None:
             elif op == "status":
                 sender = senders[int(req["room"])]
                 status = sender.poll()
-                reply = {"status": status.name, "reason": manager._room(sender.room).state.reason}
+                reply = {"status": status.name, "reason": sender.failure_reason}
             elif op == "stats":
                 reply = {"free_blocks": allocator.free_blocks, "num_blocks": allocator.num_blocks,
                          "active_rooms": manager.active_rooms(), "counters": dict(manager.stats)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import zmq
@@ -25,6 +26,7 @@ class EncodePeer:
         self._sock.setsockopt(zmq.RCVTIMEO, int(startup_timeout * 1000))
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(f"tcp://127.0.0.1:{self.info['control_port']}")
+        self._lock = threading.Lock()  # one REQ socket, many caller threads
 
     def _read_ready(self, timeout: float) -> str:
         import selectors
@@ -42,8 +44,9 @@ class EncodePeer:
         return line
 
     def call(self, op: str, **fields: object) -> dict:
-        self._sock.send(json.dumps({"op": op, **fields}).encode())
-        reply = json.loads(self._sock.recv())
+        with self._lock:
+            self._sock.send(json.dumps({"op": op, **fields}).encode())
+            reply = json.loads(self._sock.recv())
         if "error" in reply:
             raise RuntimeError(f"encode peer: {reply['error']}")
         return reply

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Fresh-machine setup: Debian's libibverbs1 (Mooncake's TCP transport links it), then a
+# virtual environment at .venv with this package and its extras under the CPU pins.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints-cpu.txt \
+    -e ".[mooncake,encoder,dev]"
+.venv/bin/python -c "import mooncake.engine, torch, transformers, connector" \
+    || { echo "setup failed: the environment does not import" >&2; exit 1; }
+echo "setup done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

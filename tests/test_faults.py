@@ -1,0 +1,204 @@
+"""Failures: dead and misconfigured peers, aborts, timeouts, malformed and stale messages."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import zmq
+
+from connector.bootstrap import BootstrapServer
+from connector.messages import (AbortAckMsg, InitMsg, RegisterMsg, ResumeMsg, StatusMsg, decode_encoder_bound,
+                                decode_language_bound)
+from connector.poll import KVPoll, TransferFailure
+from connector.receiver import receive_embedding
+from test_transfer import transfer
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def start_room(lang, peer, room: int, blocks: int):
+    receiver = lang.manager.create_receiver(peer.bootstrap_addr, room)
+    receiver.init(lang.allocator.allocate(blocks))
+    return receiver
+
+
+def test_sender_killed_mid_round_fails_rooms_naming_the_peer_and_receiver_keeps_serving(make_peer, make_language) -> None:
+    lang = make_language(num_blocks=256, heartbeat_interval=0.5, heartbeat_max_failures=2)
+    peer = make_peer(num_blocks=600)
+    peer.call("stage", room=1, tokens=3 * 8192, seed=1)
+    peer.call("stage", room=2, tokens=40_000, seed=2)
+    waiting = start_room(lang, peer, 1, 64)  # partial: will wait for a resume that never comes
+    assert waiting.wait(30) == KVPoll.Transferring
+    writing = start_room(lang, peer, 2, 192)  # 24,576 of 40,000 tokens: a large write in flight
+    os.kill(peer.proc.pid, signal.SIGKILL)
+    peer.proc.wait()
+    killed_at = time.monotonic()
+    window = 0.5 * 2 + 2.0  # heartbeat interval x misses, plus one interval and scheduling slack
+    for receiver in (waiting, writing):
+        wait_for(lambda: receiver.poll() == KVPoll.Failed, window, f"room {receiver.room} to fail")
+        with pytest.raises(TransferFailure, match=f"encode peer {peer.bootstrap_addr}.*dead.*heartbeats missed"):
+            receiver.failure_exception()
+    assert time.monotonic() - killed_at < window
+    wait_for(lang.allocator.all_free, 5, "the language pool to be free")
+    new_peer = make_peer()
+    transfer(lang, new_peer, 3, 9000)
+
+
+def test_abort_mid_round_keeps_blocks_until_the_ack_and_late_writes_cannot_corrupt_reuse(make_peer, make_language) -> None:
+    lang = make_language(num_blocks=300)
+    peer = make_peer(num_blocks=600)
+    peer.call("stage", room=10, tokens=36_000, seed=10)  # 258 MB: the write takes a while
+    receiver = start_room(lang, peer, 10, 282)
+    time.sleep(0.005)
+    receiver.abort("client went away")
+    assert receiver.poll() == KVPoll.Failed  # local state fails at once
+    assert lang.allocator.allocate(lang.allocator.num_blocks) is None, "blocks handed out before the ack"
+    assert lang.allocator.free_blocks == 300 - 282
+    wait_for(lang.allocator.all_free, 10, "the abort ack")
+    assert lang.manager.stats["abort_acked"] == 1  # freed by the ack, not by a timeout
+    assert peer.call("status", room=10)["status"] == "Failed"
+    assert "aborted by language peer" in peer.call("status", room=10)["reason"]
+    # Reuse the same blocks for another room and check its bytes stay intact.
+    expected = peer.call("stage", room=11, tokens=36_000, seed=11)["digests"]
+    emb, _ = receive_embedding(lang.manager, peer.bootstrap_addr, 11)
+    assert emb.release_fn is not None  # a view: the check below reads the pool itself
+    assert emb.digests() == expected
+    time.sleep(0.3)
+    assert emb.digests() == expected, "a late write of the aborted room landed in reused blocks"
+    emb.release()
+
+
+@pytest.mark.parametrize("fork_register", [False, True])
+def test_block_size_mismatch_fails_fast_with_a_reason(make_peer, make_language, monkeypatch, fork_register) -> None:
+    peer, lang = make_peer(block_size=128), make_language(block_size=64)
+    if fork_register:  # no item lengths: the init's allocated_tokens gives the mismatch away
+        full = lang.manager._register_msg()
+        monkeypatch.setattr(lang.manager, "_register_msg",
+                            lambda: RegisterMsg(full.endpoint, full.dst_port, full.session_id, full.base_ptrs))
+    peer.call("stage", room=1, tokens=1000, seed=1)
+    start = time.monotonic()
+    with pytest.raises(TransferFailure, match="block size mismatch" if fork_register else "pool layout mismatch"):
+        receive_embedding(lang.manager, peer.bootstrap_addr, 1, timeout=10)
+    assert time.monotonic() - start < 3
+    assert "mismatch" in peer.call("status", room=1)["reason"]
+
+
+def test_hidden_size_mismatch_is_refused(make_peer, make_language) -> None:
+    peer, lang = make_peer(hidden_size=3584), make_language(hidden_size=1024)
+    peer.call("stage", room=1, tokens=500, seed=1)
+    with pytest.raises(TransferFailure, match="pool layout mismatch.*hidden size"):
+        receive_embedding(lang.manager, peer.bootstrap_addr, 1, timeout=10)
+    assert "mismatch" in peer.call("status", room=1)["reason"]
+
+
+def test_resume_timeout_on_the_encoder_fails_the_room_and_frees_both_pools(make_peer, make_language) -> None:
+    peer, lang = make_peer(resume_timeout=1), make_language()
+    peer.call("stage", room=1, tokens=10_000, seed=1)
+    receiver = start_room(lang, peer, 1, 64)
+    assert receiver.wait(30) == KVPoll.Transferring
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the resume timeout")
+    with pytest.raises(TransferFailure, match="no resume within 1s"):
+        receiver.failure_exception()
+    wait_for(lang.allocator.all_free, 5, "the language pool to be free")
+
+
+def test_init_for_a_room_the_encoder_never_gets_times_out_on_both_sides(make_peer, make_language) -> None:
+    peer, lang = make_peer(bootstrap_timeout=1), make_language()
+    receiver = start_room(lang, peer, 77, 4)
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the bootstrap timeout")
+    with pytest.raises(TransferFailure, match="timeout: bootstrap, no encoded data"):
+        receiver.failure_exception()
+    peer.call("stage", room=78, tokens=300, seed=1)  # staged but never initialised
+    wait_for(lambda: peer.call("status", room=78)["status"] == "Failed", 5, "the staged room to time out")
+
+
+def test_waiting_timeout_on_the_language_side_aborts_and_gets_its_blocks_back(make_peer, make_language) -> None:
+    peer, lang = make_peer(), make_language(waiting_timeout=1)
+    receiver = start_room(lang, peer, 5, 8)
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the waiting timeout")
+    with pytest.raises(TransferFailure, match="timeout: no data from encode peer"):
+        receiver.failure_exception()
+    wait_for(lang.allocator.all_free, 5, "the abort ack")
+    assert lang.manager.stats["abort_acked"] == 1
+
+
+@pytest.fixture
+def raw_language():
+    """A bare PULL socket standing in for a language worker, to see the encoder's replies."""
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    yield pull, push, port
+    pull.close(0)
+    push.close(0)
+    ctx.term()
+
+
+def recv_status(pull, timeout_ms: int = 5000) -> StatusMsg:
+    assert pull.poll(timeout_ms), "no reply from the encoder"
+    msg = decode_language_bound(pull.recv_multipart())
+    assert isinstance(msg, StatusMsg)
+    return msg
+
+
+def test_malformed_and_unknown_messages_get_failed_and_never_stop_the_encoder(make_peer, make_language, raw_language) -> None:
+    pull, push, port = raw_language
+    peer = make_peer()
+    push.connect(f"tcp://127.0.0.1:{peer.info['rank_port']}")
+    push.send_multipart([b"garbage"])
+    push.send_multipart([b"5", b"127.0.0.1", str(port).encode(), b"127.0.0.1:1", b"1,x", b"1", b"256"])
+    reply = recv_status(pull)
+    assert (reply.room, reply.status) == (5, KVPoll.Failed) and "block id" in reply.reason
+    push.send_multipart(InitMsg(6, "127.0.0.1", port, "127.0.0.1:1", (0,), 1, 128).encode())
+    reply = recv_status(pull)
+    assert reply.status == KVPoll.Failed and "never registered" in reply.reason
+    push.send_multipart(RegisterMsg("127.0.0.1", port, "127.0.0.1:1", (4096, 4096, 4096, 4096), 1, 8,
+                                    (917504, 512, 1536, 64)).encode())
+    push.send_multipart(ResumeMsg(999, "127.0.0.1", port, "127.0.0.1:1", (1,), 1, 128, 128).encode())
+    reply = recv_status(pull)
+    assert reply.room == 999 and reply.status == KVPoll.Failed and "unknown or finished room 999" in reply.reason
+    push.send_multipart(InitMsg(7, "127.0.0.1", port, "127.0.0.1:1", (8,), 1, 128).encode())
+    reply = recv_status(pull)
+    assert reply.status == KVPoll.Failed and "outside the peer's pool of 8 blocks" in reply.reason
+    assert peer.call("stats")["counters"]["bad_message"] == 2
+    transfer(make_language(), peer, 8, 5000)  # still serving
+
+
+def test_stale_abort_ack_of_another_generation_is_dropped(make_language) -> None:
+    """A fake encoder in-process: only the ack of this incarnation frees the blocks."""
+    lang = make_language()
+    ctx = zmq.Context()
+    encoder_pull = ctx.socket(zmq.PULL)
+    encoder_port = encoder_pull.bind_to_random_port("tcp://127.0.0.1")
+    reply = ctx.socket(zmq.PUSH)
+    reply.connect(f"tcp://127.0.0.1:{lang.manager.rank_port}")
+    bootstrap = BootstrapServer("127.0.0.1", 0)
+    bootstrap.put_route(1, 1, "127.0.0.1", encoder_port, 0)
+    try:
+        receiver = lang.manager.create_receiver(f"127.0.0.1:{bootstrap.port}", 31)
+        receiver.init(lang.allocator.allocate(4))
+        receiver.abort("test")
+        kinds = [type(decode_encoder_bound(encoder_pull.recv_multipart())).__name__ for _ in range(3)]
+        assert kinds == ["RegisterMsg", "InitMsg", "AbortMsg"]
+        reply.send_multipart(AbortAckMsg(31, lang.manager.generation - 1).encode())
+        time.sleep(0.3)
+        assert lang.allocator.free_blocks == lang.allocator.num_blocks - 4
+        assert lang.manager.stats["stale_message"] == 1
+        reply.send_multipart(AbortAckMsg(31, lang.manager.generation).encode())
+        wait_for(lang.allocator.all_free, 5, "the real ack")
+    finally:
+        bootstrap.close()
+        encoder_pull.close(0)
+        reply.close(0)
+        ctx.term()
