@@ -16,7 +16,8 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import requests
 import zmq
@@ -148,7 +149,7 @@ class EmbeddingReceiver:
             if not self.state.fail(reason):
                 return
             self._awaiting_ack_since = time.monotonic()
-            self._changed.notify_all()
+            self._notify()
             m = self._m
             m._send(self, AbortMsg(self.room, m.config.host, m.rank_port, m.generation).encode())
 
@@ -216,7 +217,7 @@ class EmbeddingReceiver:
             start = self.state.progress.sent_tokens
             self.state.advance(KVPoll.Transferring, start)
         self._last_progress = time.monotonic()
-        self._changed.notify_all()
+        self._notify()
 
     def _fail_bad(self, what: str) -> None:
         self._m.stats["bad_status"] += 1
@@ -225,7 +226,11 @@ class EmbeddingReceiver:
     def _release_failed(self) -> None:
         self._free_blocks_locked()
         self._m._forget(self)
+        self._notify()
+
+    def _notify(self) -> None:
         self._changed.notify_all()
+        self._m.on_change()
 
     def wait(self, timeout: float) -> KVPoll:
         """Block until the status changes (or ``timeout``); returns the status then."""
@@ -238,10 +243,13 @@ class EmbeddingReceiver:
 
 class EmbeddingReceiverManager:
     def __init__(self, config: ConnectorConfig, transport: Transport, pool: BufferPool,
-                 allocator: BlockAllocator, generation: int | None = None) -> None:
+                 allocator: BlockAllocator, generation: int | None = None,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        """``on_change`` is called (cheaply, under the manager lock) whenever a room's status changes."""
         if pool.block_size != config.block_size or pool.hidden_size != config.hidden_size:
             raise ValueError("pool geometry does not match the connector config")
         self.config, self.transport, self.pool, self.allocator = config, transport, pool, allocator
+        self.on_change = on_change
         self.generation = generation if generation is not None else time.time_ns() & (2**63 - 1)
         self.stats: collections.Counter[str] = collections.Counter()
         self._lock = threading.RLock()

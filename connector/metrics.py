@@ -1,0 +1,41 @@
+"""Prometheus metrics both workers export on ``/metrics`` (one registry per worker)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, free_blocks: Callable[[], int], num_blocks: int) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("epd_requests", "Requests finished, by outcome", ["role", "outcome"], registry=r)
+        self.tokens = Counter("epd_tokens", "Embedding tokens moved", ["role"], registry=r)
+        self.bytes = Counter("epd_bytes", "Embedding bytes moved", ["role"], registry=r)
+        self.resume_rounds = Counter("epd_resume_rounds", "Resume rounds", ["role"], registry=r)
+        self.failures = Counter("epd_failures", "Failed requests by reason", ["role", "reason"], registry=r)
+        self.latency = Histogram("epd_transfer_latency_seconds", "Request latency from start to embedding ready",
+                                 ["role"], buckets=LATENCY_BUCKETS, registry=r)
+        free = Gauge("epd_pool_blocks_free", "Free blocks in the pool", ["role"], registry=r)
+        used = Gauge("epd_pool_blocks_used", "Blocks handed out", ["role"], registry=r)
+        free.labels(role).set_function(lambda: free_blocks())
+        used.labels(role).set_function(lambda: num_blocks - free_blocks())
+        self.role = role
+
+    def success(self, tokens: int, nbytes: int, rounds: int, seconds: float) -> None:
+        self.requests.labels(self.role, "success").inc()
+        self.tokens.labels(self.role).inc(tokens)
+        self.bytes.labels(self.role).inc(nbytes)
+        self.resume_rounds.labels(self.role).inc(rounds)
+        self.latency.labels(self.role).observe(seconds)
+
+    def failure(self, reason: str) -> None:
+        self.requests.labels(self.role, "failure").inc()
+        self.failures.labels(self.role, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

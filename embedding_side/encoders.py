@@ -1,0 +1,171 @@
+"""Vision encoders with Qwen2.5-VL geometry: the real transformers tower and a fast fake.
+
+Both map a list of RGB images to one bf16 embedding ``[tokens, hidden]`` (images in order)
+plus each image's ``(t, h, w)`` patch grid; tokens per image = ``t * h * w / 4`` (2x2 merge).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+from PIL import Image
+
+log = logging.getLogger(__name__)
+
+PATCH, MERGE, TEMPORAL = 14, 2, 2
+FACTOR = PATCH * MERGE  # 28 pixels per merged token side
+# The Qwen2.5-VL hub preprocessor_config: 4 to 16384 merged tokens per image.
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 16384 * FACTOR * FACTOR
+
+
+@dataclass
+class EncodedImages:
+    embeddings: np.ndarray  # uint8 [tokens, hidden * 2]: bf16 bytes, row-major
+    grid_thw: list[tuple[int, int, int]]  # patch grid per image, before the 2x2 merge
+    hidden_size: int
+
+
+class VisionEncoder(Protocol):
+    hidden_size: int
+    name: str
+
+    def encode(self, images: list[Image.Image]) -> EncodedImages: ...
+
+
+def smart_resize(height: int, width: int, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    """Qwen's resize rule: both sides multiples of 28, area within [min_pixels, max_pixels]."""
+    if min(height, width) <= 0 or max(height, width) / min(height, width) > 200:
+        raise ValueError(f"image {width}x{height}: aspect ratio must be at most 200")
+    h, w = round(height / FACTOR) * FACTOR, round(width / FACTOR) * FACTOR
+    if h * w > max_pixels:
+        scale = math.sqrt(height * width / max_pixels)
+        h = max(FACTOR, math.floor(height / scale / FACTOR) * FACTOR)
+        w = max(FACTOR, math.floor(width / scale / FACTOR) * FACTOR)
+    elif h * w < min_pixels:
+        scale = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * scale / FACTOR) * FACTOR, math.ceil(width * scale / FACTOR) * FACTOR
+    return h, w
+
+
+def grid_for(image: Image.Image) -> tuple[int, int, int]:
+    h, w = smart_resize(image.height, image.width)
+    return 1, h // PATCH, w // PATCH
+
+
+def to_bf16_bytes(values: np.ndarray) -> np.ndarray:
+    """float32 [n, hidden] -> bf16 bytes [n, hidden * 2], round to nearest even."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return rounded.view(np.uint8).reshape(values.shape[0], -1)
+
+
+class FakeEncoder:
+    """Deterministic numpy encoder for fast tests: real token counts and shapes, no torch.
+
+    Each merged token is the mean colour of its 28x28 cell plus its normalised position,
+    projected by a fixed seeded matrix: content-dependent and bit-reproducible.
+    """
+
+    name = "fake"
+
+    def __init__(self, hidden_size: int = 3584, seed: int = 0) -> None:
+        self.hidden_size = hidden_size
+        self._proj = np.random.default_rng(seed).standard_normal((6, hidden_size)).astype(np.float32)
+
+    def encode(self, images: list[Image.Image]) -> EncodedImages:
+        grids, parts = [], []
+        for image in images:
+            grid = grid_for(image)
+            gh, gw = grid[1] // MERGE, grid[2] // MERGE
+            cells = np.asarray(image.resize((gw, gh), Image.Resampling.BOX), np.float32).reshape(-1, 3) / 255.0
+            ys, xs = np.divmod(np.arange(gh * gw, dtype=np.float32), gw)
+            features = np.column_stack([cells, ys / gh, xs / gw, np.ones(gh * gw, np.float32)])
+            parts.append(features @ self._proj)
+            grids.append(grid)
+        return EncodedImages(to_bf16_bytes(np.concatenate(parts)), grids, self.hidden_size)
+
+
+def small_tower_config(out_hidden_size: int = 3584) -> dict:
+    """A seeded stand-in with Qwen2.5-VL-7B geometry (14 px patches, 2x2 merge, 112 px windows,
+    output 3584) and one narrow windowed block, so a 4K image encodes in about a second."""
+    return dict(depth=1, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=out_hidden_size,
+                hidden_act="silu", patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL,
+                window_size=112, fullatt_block_indexes=[])
+
+
+class QwenVisionEncoder:
+    """transformers' Qwen2.5-VL vision tower, bf16, with the Qwen2-VL PIL image processor.
+
+    ``model_path`` is a checkpoint folder (``config.json`` + ``*.safetensors``); only its vision
+    tower is built and loaded. Without it, a seeded small tower (:func:`small_tower_config`).
+    """
+
+    name = "qwen2_5_vl"
+
+    def __init__(self, model_path: str | None = None, seed: int = 0, device: str = "cpu") -> None:
+        import torch
+        from transformers import Qwen2_5_VLVisionConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self._torch = torch
+        self.device = device
+        self.processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+        if model_path:
+            vision_cfg, state = _load_checkpoint(Path(model_path))
+            config = Qwen2_5_VLVisionConfig(**vision_cfg)
+        else:
+            config, state = Qwen2_5_VLVisionConfig(**small_tower_config()), None
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(seed)
+        model = Qwen2_5_VisionTransformerPretrainedModel(config)
+        if state is not None:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            if missing:
+                raise ValueError(f"{model_path}: vision weights missing {len(missing)} tensors, e.g. {missing[:3]}")
+            if unexpected:
+                log.warning("%s: ignoring %d unexpected vision tensors", model_path, len(unexpected))
+        self.model = model.to(device=device, dtype=torch.bfloat16).eval()
+        self.hidden_size = int(config.out_hidden_size)
+
+    def encode(self, images: list[Image.Image]) -> EncodedImages:
+        torch = self._torch
+        inputs = self.processor(images=images, return_tensors="pt")
+        grid = inputs["image_grid_thw"]
+        with torch.inference_mode():
+            out = self.model(inputs["pixel_values"].to(self.device, torch.bfloat16), grid_thw=grid.to(self.device))
+        emb = out.pooler_output if hasattr(out, "pooler_output") else out
+        data = emb.to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy()
+        return EncodedImages(data.reshape(emb.shape[0], -1), [tuple(map(int, g)) for g in grid.tolist()],
+                             self.hidden_size)
+
+
+def _load_checkpoint(path: Path) -> tuple[dict, dict]:
+    """The vision config and the vision tower's tensors of a Qwen2.5-VL checkpoint folder."""
+    from safetensors.torch import load_file
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"--model-path {path}: no config.json")
+    config = json.loads(config_file.read_text())
+    vision = dict(config.get("vision_config") or {})
+    vision.setdefault("out_hidden_size", config.get("hidden_size", 3584))
+    vision.pop("model_type", None)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"--model-path {path}: no *.safetensors files")
+    state = {}
+    for file in files:
+        for key, value in load_file(file).items():
+            for prefix in ("model.visual.", "visual."):
+                if key.startswith(prefix):
+                    state[key[len(prefix):]] = value
+    if not state:
+        raise ValueError(f"--model-path {path}: no vision tower tensors (keys starting with 'visual.')")
+    return vision, state

@@ -1,0 +1,126 @@
+"""The encode worker: images -> encoder -> block pool -> connector sender.
+
+One request: load and decode every image (400 on bad input), encode them in order into one
+embedding, compute fill ids and M-RoPE positions, write it into source blocks (waiting while
+the pool is full) and hand the blocks to the room's sender, which moves them to the language
+side in as many rounds as that side asks for and frees them afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from connector.allocator import BlockAllocator
+from connector.bootstrap import BootstrapServer
+import numpy as np
+
+from connector.buffers import AUX_INTS, BufferPool, Embedding
+from connector.config import ConnectorConfig
+from connector.http_util import HTTPError
+from connector.metrics import WorkerMetrics
+from connector.mooncake_transport import MooncakeTransport
+from connector.sender import EmbeddingSenderManager
+from embedding_side.encoders import VisionEncoder
+from embedding_side.images import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S, ImageInputError, load_image
+from embedding_side.positions import image_positions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ImageLimits:
+    max_bytes: int = DEFAULT_MAX_BYTES
+    fetch_timeout: float = DEFAULT_TIMEOUT_S
+    max_images: int = 16
+
+
+class EncodeWorker:
+    def __init__(self, config: ConnectorConfig, encoder: VisionEncoder, bootstrap_port: int,
+                 limits: ImageLimits | None = None) -> None:
+        if encoder.hidden_size != config.hidden_size:
+            raise ValueError(f"encoder output width {encoder.hidden_size} != configured hidden size {config.hidden_size}")
+        self.config, self.encoder, self.limits = config, encoder, limits or ImageLimits()
+        self.pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
+        self.allocator = BlockAllocator(config.num_blocks)
+        self.transport = MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion)
+        self.sender = EmbeddingSenderManager(config, self.transport, self.pool, self.allocator)
+        self.bootstrap = BootstrapServer(config.host, bootstrap_port)
+        self.bootstrap.put_route(1, 1, config.host, self.sender.rank_port, 0)
+        self.metrics = WorkerMetrics("encode", lambda: self.allocator.free_blocks, config.num_blocks)
+        self._encode_lock = threading.Lock()  # one forward pass at a time; the cores are few
+        self._in_flight: set[str] = set()
+        self._lock = threading.Lock()
+
+    def encode(self, rid: str, room: int, image_refs: list[str]) -> dict:
+        """Encode one request and start its transfer; returns the HTTP reply body."""
+        if not image_refs or len(image_refs) > self.limits.max_images:
+            raise HTTPError(400, f"images must be a list of 1 to {self.limits.max_images} references")
+        with self._lock:
+            if rid in self._in_flight:
+                raise HTTPError(409, f"request {rid!r} is already being encoded")
+            self._in_flight.add(rid)
+        start = time.monotonic()
+        try:
+            return self._encode(rid, room, image_refs, start)
+        except HTTPError as exc:
+            self.metrics.failure("bad_input" if exc.status < 500 else "pool_full")
+            raise
+        finally:
+            with self._lock:
+                self._in_flight.discard(rid)
+
+    def _encode(self, rid: str, room: int, image_refs: list[str], start: float) -> dict:
+        try:
+            images = [load_image(ref, self.limits.max_bytes, self.limits.fetch_timeout) for ref in image_refs]
+        except ImageInputError as exc:
+            raise HTTPError(400, str(exc)) from None
+        try:
+            sender = self.sender.create_sender(room)
+        except ValueError as exc:
+            raise HTTPError(409, str(exc)) from None
+        try:
+            with self._encode_lock:
+                encoded = self.encoder.encode(images)
+        except ValueError as exc:  # e.g. an aspect ratio Qwen refuses
+            sender.abort(f"encoding failed: {exc}")
+            raise HTTPError(400, f"cannot encode: {exc}") from None
+        emb = self._embedding(encoded.embeddings, encoded.grid_thw)
+        blocks = self._allocate(self.pool.blocks_for(emb.num_tokens), start)
+        if blocks is None:
+            sender.abort("encode pool full")
+            raise HTTPError(503, f"encode pool full: {emb.num_tokens} tokens did not fit within "
+                                 f"{self.config.bootstrap_timeout:g}s")
+        self.pool.write(blocks, emb)
+        sender.send(blocks, emb.num_tokens)
+        self.metrics.success(emb.num_tokens, emb.embeddings.nbytes, 0, time.monotonic() - start)
+        log.info("rid=%s room=%d: %d images -> %d tokens", rid, room, len(image_refs), emb.num_tokens)
+        return {"rid": rid, "num_tokens": emb.num_tokens, "hidden_size": emb.hidden_size, "dtype": emb.dtype,
+                "sha256": emb.sha256(), "grid_thw": [list(g) for g in encoded.grid_thw]}
+
+    def _embedding(self, data, grids) -> Embedding:
+        fill_ids, mrope, delta = image_positions(grids)
+        emb = Embedding(data, fill_ids, mrope, np.zeros(AUX_INTS, np.int32), self.config.hidden_size, self.config.dtype)
+        emb.aux[0], emb.aux[1] = emb.num_tokens, delta
+        return emb
+
+    def _allocate(self, n: int, start: float) -> list[int] | None:
+        if n > self.allocator.num_blocks:
+            raise HTTPError(413, f"embedding needs {n} blocks, the encode pool has {self.allocator.num_blocks}")
+        while (blocks := self.allocator.allocate(n)) is None:
+            if time.monotonic() - start > self.config.bootstrap_timeout:
+                return None
+            time.sleep(0.01)
+        return blocks
+
+    def health(self) -> dict:
+        return {"status": "ok", "role": "encode", "bootstrap_port": self.bootstrap.port,
+                "free_blocks": self.allocator.free_blocks,
+                "num_blocks": self.allocator.num_blocks, "active_rooms": self.sender.active_rooms()}
+
+    def close(self) -> None:
+        self.sender.close()
+        self.bootstrap.close()
+        self.transport.close()

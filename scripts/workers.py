@@ -1,0 +1,64 @@
+"""Start encode/language workers as subprocesses (``python -m sglang_ext.launch_server``)."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProcess:
+    """One worker process; ``url`` is its HTTP address once ``READY`` was printed."""
+
+    def __init__(self, mode: str, *extra: str, launcher: tuple[str, ...] = ("-m", "sglang_ext.launch_server"),
+                 timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+        self.mode, self.port = mode, free_port()
+        self.bootstrap_port = free_port() if mode == "encode" else None
+        args = [sys.executable, *launcher, "--disaggregation-mode", mode, "--host", "127.0.0.1",
+                "--port", str(self.port), *extra]
+        if self.bootstrap_port:
+            args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "MC_LOG_LEVEL": "ERROR", **(env or {})})
+        self.log: list[str] = []
+        self._wait_ready(timeout)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _wait_ready(self, timeout: float) -> None:
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if sel.select(0.5):
+                line = self.proc.stdout.readline()
+                if not line and self.proc.poll() is not None:
+                    break
+                self.log.append(line)
+                if line.startswith("READY "):
+                    os.set_blocking(self.proc.stdout.fileno(), False)
+                    return
+        self.stop()
+        raise RuntimeError(f"{self.mode} worker did not start:\n" + "".join(self.log[-30:]))
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(2)  # SIGINT: clean shutdown
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -1,0 +1,72 @@
+"""Command-line flags of both workers: SGLang's names for shared things, ours for the rest.
+
+Every connector setting defaults to its environment variable (``connector.config.ENV_NAMES``)
+and then to the built-in default; ``--help`` shows the value in effect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from connector.buffers import BufferPool
+from connector.config import ENV_NAMES, ConnectorConfig
+
+MODES = ("encode", "language")
+
+
+def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -> None:
+    """Add our flags; ``with_shared=False`` leaves out the ones SGLang already defines."""
+    d = ConnectorConfig.from_env()
+    if with_shared:
+        parser.add_argument("--disaggregation-mode", choices=MODES, required=True,
+                            help="encode: vision encoder + bootstrap server; language: receives embeddings")
+        parser.add_argument("--host", default="127.0.0.1", help="interface every server binds (default %(default)s)")
+        parser.add_argument("--port", type=int, default=30000, help="HTTP port (default %(default)s)")
+        parser.add_argument("--model-path", default=None,
+                            help="Qwen2.5-VL checkpoint folder (config.json + safetensors); encode side loads its "
+                                 "vision tower. Default: a built-in seeded small tower with 7B geometry")
+        parser.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
+                            help="encode side: port of the bootstrap server (default %(default)s)")
+        parser.add_argument("--disaggregation-transfer-backend", default="mooncake", choices=["mooncake"],
+                            help="transfer backend (default %(default)s)")
+        parser.add_argument("--disaggregation-ib-device", default="",
+                            help="RDMA device for Mooncake (with --mooncake-protocol rdma)")
+        parser.add_argument("--tp-size", type=int, default=1, help="tensor parallel size (only 1 is supported)")
+        parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    pool_bytes = BufferPool.bytes_for(d.num_blocks, d.block_size, d.hidden_size, d.dtype)
+    g = parser.add_argument_group("embedding transfer")
+    g.add_argument("--encoder", choices=["qwen", "fake"], default="qwen",
+                   help="encode side: transformers Qwen2.5-VL tower, or the numpy fake for tests (default %(default)s)")
+    g.add_argument("--hidden-size", type=int, default=d.hidden_size, help="embedding width (default %(default)s)")
+    g.add_argument("--embedding-cache-buffer-size", type=int, default=d.num_blocks, metavar="BLOCKS",
+                   help=f"blocks per pool, env {ENV_NAMES['num_blocks']} (default %(default)s = "
+                        f"{pool_bytes / 2**20:.0f} MiB at hidden {d.hidden_size} {d.dtype})")
+    g.add_argument("--multimodal-block-size", type=int, default=d.block_size, metavar="TOKENS",
+                   help=f"tokens per block, env {ENV_NAMES['block_size']} (default %(default)s)")
+    g.add_argument("--embedding-default-allocate-buffer-size", type=int, default=d.default_allocate_tokens,
+                   metavar="TOKENS", help=f"language side: tokens allocated before the size is known, env "
+                                          f"{ENV_NAMES['default_allocate_tokens']} (default %(default)s)")
+    g.add_argument("--mooncake-protocol", default=os.environ.get("MOONCAKE_PROTOCOL", "tcp"), choices=["tcp", "rdma"],
+                   help="Mooncake transport, env MOONCAKE_PROTOCOL (default %(default)s)")
+    for name, flag in (("bootstrap_timeout", "--bootstrap-timeout"), ("waiting_timeout", "--waiting-timeout"),
+                       ("resume_timeout", "--resume-timeout"), ("heartbeat_interval", "--heartbeat-interval"),
+                       ("abort_ack_timeout", "--abort-ack-timeout")):
+        g.add_argument(flag, type=float, default=getattr(d, name), metavar="SECONDS",
+                       help=f"env {ENV_NAMES[name]} (default %(default)s)")
+    g.add_argument("--heartbeat-max-failure", type=int, default=d.heartbeat_max_failures,
+                   help=f"env {ENV_NAMES['heartbeat_max_failures']} (default %(default)s)")
+    g.add_argument("--image-max-bytes", type=int, default=64 << 20, help="encode side: per image (default %(default)s)")
+    g.add_argument("--image-fetch-timeout", type=float, default=10.0, help="encode side: http(s) images (default %(default)s)")
+
+
+def connector_config(args: argparse.Namespace) -> ConnectorConfig:
+    if args.tp_size != 1:
+        raise SystemExit(f"--tp-size {args.tp_size}: only 1 is supported by the encode/language workers")
+    return ConnectorConfig(
+        host=args.host, hidden_size=args.hidden_size, block_size=args.multimodal_block_size,
+        num_blocks=args.embedding_cache_buffer_size, default_allocate_tokens=args.embedding_default_allocate_buffer_size,
+        protocol=args.mooncake_protocol, ib_device=args.disaggregation_ib_device or "",
+        bootstrap_timeout=args.bootstrap_timeout, waiting_timeout=args.waiting_timeout,
+        resume_timeout=args.resume_timeout, heartbeat_interval=args.heartbeat_interval,
+        heartbeat_max_failures=args.heartbeat_max_failure, abort_ack_timeout=args.abort_ack_timeout)

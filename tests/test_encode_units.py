@@ -1,0 +1,142 @@
+"""Image loading, the encoders and M-RoPE positions, in-process."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from embedding_side.encoders import FakeEncoder, QwenVisionEncoder, grid_for, smart_resize
+from embedding_side.images import ImageInputError, load_image
+from embedding_side.positions import IMAGE_PAD_ID, image_positions
+from transfer_large_image import make_image
+
+
+def png_bytes(img: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def image_server(tmp_path_factory):
+    """A real HTTP server on loopback serving a PNG, a big file and a slow endpoint."""
+    root = tmp_path_factory.mktemp("www")
+    (root / "ok.png").write_bytes(png_bytes(make_image(64, 48, 1)))
+    (root / "big.png").write_bytes(b"x" * 5000)
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, directory=str(root), **kw)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_every_supported_source_and_format_loads(tmp_path: Path, image_server: str) -> None:
+    img = make_image(64, 48, 1)
+    for fmt, ext in (("PNG", "png"), ("JPEG", "jpg"), ("WEBP", "webp")):
+        path = tmp_path / f"a.{ext}"
+        path.write_bytes(png_bytes(img, fmt))
+        assert load_image(str(path)).size == (64, 48)
+        assert load_image(path.as_uri()).size == (64, 48)
+    uri = "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()
+    assert np.array_equal(np.asarray(load_image(uri)), np.asarray(img))
+    assert load_image(f"{image_server}/ok.png").size == (64, 48)
+
+
+@pytest.mark.parametrize("ref, words", [
+    ("data:image/png;base64," + base64.b64encode(b"not an image at all").decode(), "not a decodable"),
+    ("data:image/png;base64,@@@@", "invalid base64"),
+    ("data:image/png,rawbytes", "must be data:image"),
+    ("ftp://example.org/a.png", "unsupported scheme 'ftp'"),
+    ("/nonexistent/picture.png", "cannot read file"),
+    ("http://127.0.0.1:1/a.png", "unreachable"),
+    ("", "non-empty string"),
+])
+def test_bad_inputs_say_what_is_wrong(ref: str, words: str) -> None:
+    with pytest.raises(ImageInputError, match=words) as info:
+        load_image(ref)
+    assert len(str(info.value)) < 300  # never echoes a whole payload
+
+
+def test_limits_on_size_and_format(tmp_path: Path, image_server: str) -> None:
+    with pytest.raises(ImageInputError, match="4096-byte limit"):
+        load_image(f"{image_server}/big.png", max_bytes=4096)
+    with pytest.raises(ImageInputError, match="HTTP 404"):
+        load_image(f"{image_server}/missing.png")
+    gif = tmp_path / "a.gif"
+    make_image(8, 8, 0).save(gif, "GIF")
+    with pytest.raises(ImageInputError, match="format GIF not supported"):
+        load_image(str(gif))
+
+
+def test_token_counts_follow_the_hub_processor_settings() -> None:
+    counts = {(w, h): int(np.prod(grid_for(Image.new("RGB", (w, h))))) // 4
+              for w, h in [(448, 448), (1024, 1024), (2048, 2048), (3840, 2160), (100, 100), (20, 2000)]}
+    assert counts == {(448, 448): 256, (1024, 1024): 1369, (2048, 2048): 5329, (3840, 2160): 10549,
+                      (100, 100): 16, (20, 2000): 71}
+    with pytest.raises(ValueError, match="aspect ratio"):
+        smart_resize(10, 2500)
+
+
+@pytest.fixture(scope="module")
+def qwen() -> QwenVisionEncoder:
+    return QwenVisionEncoder()
+
+
+def test_fake_and_real_encoders_agree_on_counts_and_shapes(qwen: QwenVisionEncoder) -> None:
+    fake = FakeEncoder()
+    for sizes in ([(448, 448)], [(1000, 300)], [(640, 480), (200, 900)], [(3840, 2160)]):
+        images = [make_image(w, h, 0) for w, h in sizes]
+        real, approx = qwen.encode(images), fake.encode(images)
+        assert real.grid_thw == approx.grid_thw
+        assert real.embeddings.shape == approx.embeddings.shape
+        assert real.embeddings.shape[1] == 3584 * 2
+
+
+def test_encoders_are_deterministic_and_content_dependent(qwen: QwenVisionEncoder) -> None:
+    a, b = make_image(448, 448, 1), make_image(448, 448, 2)
+    for enc in (qwen, FakeEncoder()):
+        assert np.array_equal(enc.encode([a]).embeddings, enc.encode([a]).embeddings)
+        assert not np.array_equal(enc.encode([a]).embeddings, enc.encode([b]).embeddings)
+    assert np.array_equal(QwenVisionEncoder().encode([a]).embeddings, qwen.encode([a]).embeddings)
+
+
+def test_model_path_loads_a_checkpoints_vision_tower(tmp_path: Path, qwen: QwenVisionEncoder) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    from embedding_side.encoders import small_tower_config
+
+    state = {f"visual.{k}": v.contiguous() for k, v in qwen.model.state_dict().items()}
+    state["lm_head.weight"] = state["visual.merger.mlp.0.bias"].clone()  # not vision: ignored
+    save_file(state, tmp_path / "model.safetensors")
+    cfg = small_tower_config()
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": cfg.pop("out_hidden_size"), "vision_config": cfg}))
+    loaded = QwenVisionEncoder(str(tmp_path), seed=123)  # another seed: weights must come from the file
+    img = make_image(448, 448, 3)
+    assert np.array_equal(loaded.encode([img]).embeddings, qwen.encode([img]).embeddings)
+    with pytest.raises(ValueError, match="no config.json"):
+        QwenVisionEncoder(str(tmp_path / "nowhere"))
+
+
+def test_mrope_positions_of_two_images() -> None:
+    fill, mrope, delta = image_positions([(1, 4, 6), (1, 2, 2)])  # 2x3 merged tokens, then 1x1
+    assert (fill == IMAGE_PAD_ID).all() and mrope.shape == (3, 7)
+    assert mrope[:, :6].T.tolist() == [[1, 1, 1], [1, 1, 2], [1, 1, 3], [1, 2, 1], [1, 2, 2], [1, 2, 3]]
+    # image 1 ends at position 3, <|vision_end|> is 4, the next <|vision_start|> 5, so pads start at 6
+    assert mrope[:, 6].tolist() == [6, 6, 6]
+    assert delta == (6 + 2) - (6 + 2 + 1 + 2)

@@ -1,0 +1,214 @@
+"""Encode and language workers as real processes over HTTP on loopback, real Mooncake, real encoder."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from embedding_side.encoders import QwenVisionEncoder
+from embedding_side.images import load_image
+from transfer_large_image import make_image, run_request
+from workers import WorkerProcess
+
+
+class Pair:
+    def __init__(self, *args: str, encode_args: tuple[str, ...] = (), language_args: tuple[str, ...] = ()) -> None:
+        self.encode = WorkerProcess("encode", *args, *encode_args)
+        self.language = WorkerProcess("language", *args, *language_args)
+        self.rooms = iter(range(1000, 10**6))
+
+    def request(self, images: list[str], rid: str | None = None, timeout: float = 120) -> dict:
+        room = next(self.rooms)
+        return run_request(self.encode.url, self.language.url, self.encode.bootstrap_port, rid or f"rid-{room}",
+                           room, images, timeout)
+
+    def pools_free(self) -> dict[str, bool]:
+        out = {}
+        for worker in (self.encode, self.language):
+            text = requests.get(f"{worker.url}/metrics", timeout=10).text
+            free = float(re.search(r'epd_pool_blocks_free\{role="\w+"\} (\S+)', text).group(1))
+            used = float(re.search(r'epd_pool_blocks_used\{role="\w+"\} (\S+)', text).group(1))
+            out[worker.mode] = used == 0 and free > 0
+        return out
+
+    def stop(self) -> None:
+        for worker in (self.language, self.encode):
+            assert worker.stop() == 0, f"{worker.mode} worker did not shut down cleanly"
+
+
+def assert_pools_free(pair: Pair, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while (state := pair.pools_free()) != {"encode": True, "language": True}:
+        assert time.monotonic() < deadline, f"pools not free after the test: {state}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    p = Pair()
+    yield p
+    p.stop()
+
+
+@pytest.fixture(autouse=True)
+def pools_free_after(request):
+    yield
+    if "pair" in request.fixturenames:
+        assert_pools_free(request.getfixturevalue("pair"))
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("images")
+    sizes = {"4k": (3840, 2160), "2k": (2048, 2048), "1k": (1024, 1024), "small": (448, 448), "odd": (1000, 300)}
+    out = {}
+    for name, (w, h) in sizes.items():
+        out[name] = str(root / f"{name}.png")
+        make_image(w, h, seed=len(out)).save(out[name])
+    for i in range(4):
+        out[f"hd{i}"] = str(root / f"hd{i}.jpg")
+        make_image(1920, 1080, seed=100 + i).save(out[f"hd{i}"], quality=90)
+    return out
+
+
+@pytest.fixture(scope="module")
+def in_process_encoder() -> QwenVisionEncoder:
+    return QwenVisionEncoder()
+
+
+def in_process_sha(encoder: QwenVisionEncoder, paths: list[str]) -> str:
+    import hashlib
+
+    return hashlib.sha256(encoder.encode([load_image(p) for p in paths]).embeddings.tobytes()).hexdigest()
+
+
+def test_4k_image_takes_a_resume_round_and_matches_in_process_encoding(pair, images, in_process_encoder) -> None:
+    res = pair.request([images["4k"]])
+    assert res["match"], res
+    assert res["tokens"] == 10_549 and res["resume_rounds"] >= 1
+    assert res["sha256"] == in_process_sha(in_process_encoder, [images["4k"]])
+
+
+def test_multi_image_request_gives_one_embedding_in_image_order(pair, images, in_process_encoder) -> None:
+    paths = [images[f"hd{i}"] for i in range(4)]
+    res = pair.request(paths)
+    assert res["match"] and res["tokens"] == 4 * 2691 and res["resume_rounds"] == 1
+    assert res["sha256"] == in_process_sha(in_process_encoder, paths)
+    assert res["sha256"] != in_process_sha(in_process_encoder, paths[::-1])
+
+
+def test_eight_concurrent_requests_of_mixed_sizes(pair, images) -> None:
+    mix = [[images["4k"]], [images["small"]], [images["2k"]], [images["1k"]], [images["odd"]],
+           [images["hd0"], images["hd1"]], [images["4k"]], [images["small"], images["1k"]]]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(pair.request, mix))
+    assert all(r["match"] for r in results), results
+    assert sum(r["resume_rounds"] for r in results) >= 2
+
+
+def data_uri(payload: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(payload).decode()
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"rid": "b1", "bootstrap_room": 1, "images": [data_uri(b"\x89PNG garbage" * 50)]}, 400, "not a decodable"),
+    ({"rid": "b2", "bootstrap_room": 2, "images": ["gopher://x/y.png"]}, 400, "unsupported scheme"),
+    ({"rid": "b3", "bootstrap_room": 3, "images": ["http://127.0.0.1:1/a.png"]}, 400, "unreachable"),
+    ({"rid": "b4", "bootstrap_room": 4}, 400, "missing field 'images'"),
+    ({"rid": "b5", "bootstrap_room": -5, "images": ["x.png"]}, 400, "bootstrap_room must be"),
+    ({"rid": "b6", "bootstrap_room": "seven", "images": ["x.png"]}, 400, "wrong type"),
+    ({"rid": "b7", "bootstrap_room": 8, "images": []}, 400, "list of 1 to"),
+])
+def test_bad_encode_requests_get_4xx_with_a_clear_message(pair, body, status, words) -> None:
+    resp = requests.post(f"{pair.encode.url}/encode", json=body, timeout=30)
+    assert resp.status_code == status
+    message = resp.json()["error"]
+    assert words in message and len(message) < 300 and "Traceback" not in message
+
+
+def test_bad_generate_requests_get_4xx_or_name_the_unreachable_peer(pair) -> None:
+    url = f"{pair.language.url}/generate"
+    resp = requests.post(url, data=b"{not json", timeout=10)
+    assert resp.status_code == 400 and "JSON" in resp.json()["error"]
+    resp = requests.post(url, json={"rid": "g1", "bootstrap_host": "127.0.0.1", "bootstrap_room": 1}, timeout=10)
+    assert resp.status_code == 400 and "missing field 'bootstrap_port'" in resp.json()["error"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    resp = requests.post(url, json={"rid": "g2", "bootstrap_host": "127.0.0.1", "bootstrap_port": dead_port,
+                                    "bootstrap_room": 2}, timeout=30)
+    assert resp.status_code == 502 and f"127.0.0.1:{dead_port} unreachable" in resp.json()["error"]
+
+
+def test_duplicate_rid_is_refused_while_the_first_is_in_flight(pair, images) -> None:
+    body = {"rid": "dup", "bootstrap_host": "127.0.0.1", "bootstrap_port": pair.encode.bootstrap_port,
+            "bootstrap_room": 4242}
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(requests.post, f"{pair.language.url}/generate", json=body, timeout=60)
+        time.sleep(0.5)
+        second = requests.post(f"{pair.language.url}/generate", json={**body, "bootstrap_room": 4243}, timeout=10)
+        assert second.status_code == 409 and "already in progress" in second.json()["error"]
+        enc = requests.post(f"{pair.encode.url}/encode", json={"rid": "dup", "bootstrap_room": 4242,
+                                                              "images": [images["small"]]}, timeout=60)
+        assert enc.status_code == 200 and first.result().status_code == 200
+
+
+def test_a_pool_that_forces_several_rounds(images) -> None:
+    pair = Pair(language_args=("--embedding-cache-buffer-size", "40", "--embedding-default-allocate-buffer-size", "2048"))
+    try:
+        res = pair.request([images["2k"]])  # 42 blocks through a 40-block pool, 16 at first
+        assert res["match"] and res["resume_rounds"] >= 2, res
+        res = pair.request([images["4k"]])  # 83 blocks
+        assert res["match"] and res["resume_rounds"] >= 3, res
+        assert_pools_free(pair)
+    finally:
+        pair.stop()
+    for port in (pair.encode.port, pair.encode.bootstrap_port, pair.language.port):  # Ctrl-C freed them
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+
+
+def test_encoder_dying_mid_request_gives_a_5xx_naming_the_peer(images) -> None:
+    pair = Pair("--heartbeat-interval", "0.5", "--heartbeat-max-failure", "2")
+    try:
+        body = {"rid": "die", "bootstrap_host": "127.0.0.1", "bootstrap_port": pair.encode.bootstrap_port,
+                "bootstrap_room": 77}
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(requests.post, f"{pair.language.url}/generate", json=body, timeout=60)
+            time.sleep(1.0)  # the language side has sent its init and waits
+            os.kill(pair.encode.proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            resp = pending.result()
+        assert time.monotonic() - killed < 0.5 * 2 + 2.5
+        assert resp.status_code == 502
+        assert f"encode peer 127.0.0.1:{pair.encode.bootstrap_port}" in resp.json()["error"]
+        assert "dead" in resp.json()["error"]
+        text = requests.get(f"{pair.language.url}/metrics", timeout=10).text
+        assert 'epd_pool_blocks_used{role="language"} 0.0' in text
+        assert 'epd_failures_total{reason="dead",role="language"} 1.0' in text
+    finally:
+        pair.encode.proc.wait()
+        assert pair.language.stop() == 0
+
+
+def test_help_states_defaults_and_pool_bytes_without_sglang() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "sglang_ext.launch_server", "--help"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent, check=True).stdout
+    assert "--disaggregation-mode {encode,language}" in out
+    assert "default 512 = 449 MiB at hidden 3584 bfloat16" in re.sub(r"\s+", " ", out)
+    for flag in ("--disaggregation-bootstrap-port", "--disaggregation-transfer-backend", "--disaggregation-ib-device",
+                 "--model-path", "--tp-size", "SGLANG_EMBEDDING_DEFAULT_ALLOCATE_BUFFER_SIZE"):
+        assert flag in out
