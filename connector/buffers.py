@@ -54,7 +54,7 @@ class Embedding:
             fn()
 
     @classmethod
-    def empty(cls, num_tokens: int, hidden_size: int, dtype: str) -> "Embedding":
+    def empty(cls, num_tokens: int, hidden_size: int, dtype: str) -> Embedding:
         return cls(np.empty((num_tokens, hidden_size * DTYPE_SIZES[dtype]), np.uint8),
                    np.empty(num_tokens, np.int32), np.empty((3, num_tokens), np.int32),
                    np.zeros(AUX_INTS, np.int32), hidden_size, dtype)
@@ -192,4 +192,4 @@ def _runs(block_ids: list[int], num_tokens: int, block_size: int) -> list[tuple[
     starts = np.concatenate(([0], np.flatnonzero(np.diff(ids) != 1) + 1))
     ends = np.concatenate((starts[1:], [len(ids)]))
     return [(int(ids[s]), int(s) * block_size, min(int(e) * block_size, num_tokens) - int(s) * block_size)
-            for s, e in zip(starts, ends)]
+            for s, e in zip(starts, ends, strict=True)]

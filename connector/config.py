@@ -68,7 +68,7 @@ class ConnectorConfig:
         return BufferPool.bytes_for(self.num_blocks, self.block_size, self.hidden_size, self.dtype)
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> "ConnectorConfig":
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> ConnectorConfig:
         """Defaults, then the environment names in ``ENV_NAMES``, then ``overrides``."""
         env = os.environ if environ is None else environ
         types = {f.name: f.type for f in fields(cls)}

@@ -73,9 +73,7 @@ class InitMsg:
     allocated_tokens: int
 
     def encode(self) -> list[bytes]:
-        return [str(self.room).encode(), self.endpoint.encode(), str(self.dst_port).encode(),
-                self.session_id.encode(), _join_ids(self.block_ids),
-                str(self.required_dst_info_num).encode(), str(self.allocated_tokens).encode()]
+        return _request_head(self) + [str(self.allocated_tokens).encode()]
 
 
 @dataclass(frozen=True)
@@ -90,10 +88,7 @@ class ResumeMsg:
     allocated_tokens: int
 
     def encode(self) -> list[bytes]:
-        return [str(self.room).encode(), self.endpoint.encode(), str(self.dst_port).encode(),
-                self.session_id.encode(), _join_ids(self.block_ids),
-                str(self.required_dst_info_num).encode(), str(self.sent_tokens).encode(),
-                str(self.allocated_tokens).encode()]
+        return _request_head(self) + [str(self.sent_tokens).encode(), str(self.allocated_tokens).encode()]
 
 
 @dataclass(frozen=True)
@@ -243,6 +238,12 @@ def _ids(frame: bytes) -> tuple[int, ...]:
     if len(set(ids)) != len(ids):
         raise ProtocolError("block ids: duplicates")
     return ids
+
+
+def _request_head(msg: InitMsg | ResumeMsg) -> list[bytes]:
+    """The six frames init and resume share."""
+    return [str(msg.room).encode(), msg.endpoint.encode(), str(msg.dst_port).encode(), msg.session_id.encode(),
+            _join_ids(msg.block_ids), str(msg.required_dst_info_num).encode()]
 
 
 def _join_ids(ids: tuple[int, ...] | list[int]) -> bytes:

@@ -80,7 +80,7 @@ class MooncakeTransport(Transport):
     def _write_polled(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
         pending: list[int] = []
         failures: list[str] = []
-        for src, dst, length in zip(srcs, dsts, lens):
+        for src, dst, length in zip(srcs, dsts, lens, strict=True):
             batch = self._engine.transfer_submit_write(peer, src, dst, length)
             if batch == 0:
                 failures.append(f"submit of {length} bytes at {dst:#x} refused")

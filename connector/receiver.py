@@ -26,8 +26,16 @@ from connector.allocator import BlockAllocator
 from connector.bootstrap import RankRoute, fetch_route
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
-from connector.messages import (AbortAckMsg, AbortMsg, InitMsg, ProtocolError, RegisterMsg, ResumeMsg,
-                                StatusMsg, decode_language_bound)
+from connector.messages import (
+    AbortAckMsg,
+    AbortMsg,
+    InitMsg,
+    ProtocolError,
+    RegisterMsg,
+    ResumeMsg,
+    StatusMsg,
+    decode_language_bound,
+)
 from connector.poll import KVPoll, RoomState, TransferFailure
 from connector.transport import Transport
 from connector.zmq_link import PullLoop, PushSockets
@@ -44,7 +52,7 @@ class _Round:
 class EmbeddingReceiver:
     """One request's receiving end. Thread-safe; status updates arrive on the manager's thread."""
 
-    def __init__(self, manager: "EmbeddingReceiverManager", bootstrap_addr: str, room: int, route: RankRoute) -> None:
+    def __init__(self, manager: EmbeddingReceiverManager, bootstrap_addr: str, room: int, route: RankRoute) -> None:
         self._m, self.bootstrap_addr, self.room, self.route = manager, bootstrap_addr, room, route
         self.state = RoomState()
         self._changed = threading.Condition(manager._lock)  # notified on every status change

@@ -27,8 +27,17 @@ from connector.addressing import plan_round
 from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool
 from connector.config import ConnectorConfig
-from connector.messages import (AbortAckMsg, AbortMsg, InitMsg, ProtocolError, RegisterMsg, ResumeMsg,
-                                StatusMsg, check_blocks, decode_encoder_bound)
+from connector.messages import (
+    AbortAckMsg,
+    AbortMsg,
+    InitMsg,
+    ProtocolError,
+    RegisterMsg,
+    ResumeMsg,
+    StatusMsg,
+    check_blocks,
+    decode_encoder_bound,
+)
 from connector.poll import KVPoll, RoomState, TransferFailure
 from connector.transport import TransferError, Transport
 from connector.zmq_link import PullLoop, PushSockets
@@ -78,7 +87,7 @@ class _Room:
 class EmbeddingSender:
     """One request's sending end; cheap, all work happens in the manager."""
 
-    def __init__(self, manager: "EmbeddingSenderManager", room: int) -> None:
+    def __init__(self, manager: EmbeddingSenderManager, room: int) -> None:
         self._manager, self.room = manager, room
 
     def send(self, block_ids: list[int], total_tokens: int) -> None:

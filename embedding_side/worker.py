@@ -13,10 +13,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from connector.allocator import BlockAllocator
-from connector.bootstrap import BootstrapServer
 import numpy as np
 
+from connector.allocator import BlockAllocator
+from connector.bootstrap import BootstrapServer
 from connector.buffers import AUX_INTS, BufferPool, Embedding
 from connector.config import ConnectorConfig
 from connector.http_util import HTTPError

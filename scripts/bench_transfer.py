@@ -25,12 +25,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from peer_control import EncodePeer  # noqa: E402
+
 from connector.allocator import BlockAllocator  # noqa: E402
 from connector.buffers import BufferPool  # noqa: E402
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.mooncake_transport import MooncakeTransport  # noqa: E402
 from connector.receiver import EmbeddingReceiverManager, receive_embedding  # noqa: E402
-from peer_control import EncodePeer  # noqa: E402
 
 MiB = 1 << 20
 
@@ -107,7 +108,7 @@ def main() -> None:
         tokens = size * MiB // row_bytes
         nbytes = tokens * (row_bytes + 16) + 64
         c, s = results[size]["connector"], results[size]["socket"]
-        ratios = [b / a for a, b in zip(c, s)]  # connector throughput / socket throughput
+        ratios = [b / a for a, b in zip(c, s, strict=True)]  # connector throughput / socket throughput
         summary[size] = {"connector_s": c, "socket_s": s, "ratios": ratios, "bytes": nbytes,
                          "ratio_median": statistics.median(ratios)}
         mc, ms = statistics.median(c), statistics.median(s)

@@ -12,12 +12,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from peer_control import EncodePeer  # noqa: E402
+
 from connector.allocator import BlockAllocator  # noqa: E402
 from connector.buffers import BufferPool  # noqa: E402
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.mooncake_transport import MooncakeTransport  # noqa: E402
 from connector.receiver import EmbeddingReceiverManager  # noqa: E402
-from peer_control import EncodePeer  # noqa: E402
 
 
 @dataclass

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from connector_peer import synthetic_embedding
 
 from connector.addressing import plan_round
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
-from connector_peer import synthetic_embedding
 
 
 def test_item_lengths_match_the_forks_table() -> None:
@@ -88,7 +88,7 @@ def test_coalesced_writes_cover_exactly_the_forks_bytes(tokens, src, dst, aux) -
         for off in range(n):
             want[s + off] = d + off
     got = {}
-    for s, d, n in zip(plan.src_addrs, plan.dst_addrs, plan.lengths):
+    for s, d, n in zip(plan.src_addrs, plan.dst_addrs, plan.lengths, strict=True):
         for off in range(n):
             got[s + off] = d + off
     assert got == want

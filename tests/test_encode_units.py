@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from transfer_large_image import make_image
 
 from embedding_side.encoders import FakeEncoder, QwenVisionEncoder, grid_for, smart_resize
 from embedding_side.images import ImageInputError, load_image
 from embedding_side.positions import IMAGE_PAD_ID, image_positions
-from transfer_large_image import make_image
 
 
 def png_bytes(img: Image.Image, fmt: str = "PNG") -> bytes:

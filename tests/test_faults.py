@@ -8,13 +8,20 @@ import time
 
 import pytest
 import zmq
+from test_transfer import transfer
 
 from connector.bootstrap import BootstrapServer
-from connector.messages import (AbortAckMsg, InitMsg, RegisterMsg, ResumeMsg, StatusMsg, decode_encoder_bound,
-                                decode_language_bound)
+from connector.messages import (
+    AbortAckMsg,
+    InitMsg,
+    RegisterMsg,
+    ResumeMsg,
+    StatusMsg,
+    decode_encoder_bound,
+    decode_language_bound,
+)
 from connector.poll import KVPoll, TransferFailure
 from connector.receiver import receive_embedding
-from test_transfer import transfer
 
 
 def wait_for(predicate, timeout: float, what: str) -> float:
@@ -45,7 +52,7 @@ def test_sender_killed_mid_round_fails_rooms_naming_the_peer_and_receiver_keeps_
     killed_at = time.monotonic()
     window = 0.5 * 2 + 2.0  # heartbeat interval x misses, plus one interval and scheduling slack
     for receiver in (waiting, writing):
-        wait_for(lambda: receiver.poll() == KVPoll.Failed, window, f"room {receiver.room} to fail")
+        wait_for(lambda r=receiver: r.poll() == KVPoll.Failed, window, f"room {receiver.room} to fail")
         with pytest.raises(TransferFailure, match=f"encode peer {peer.bootstrap_addr}.*dead.*heartbeats missed"):
             receiver.failure_exception()
     assert time.monotonic() - killed_at < window

@@ -8,8 +8,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.messages import (AbortAckMsg, AbortMsg, InitMsg, ProtocolError, RegisterMsg, ResumeMsg, StatusMsg,
-                                check_blocks, decode_encoder_bound, decode_language_bound)
+from connector.messages import (
+    AbortAckMsg,
+    AbortMsg,
+    InitMsg,
+    ProtocolError,
+    RegisterMsg,
+    ResumeMsg,
+    StatusMsg,
+    check_blocks,
+    decode_encoder_bound,
+    decode_language_bound,
+)
 from connector.poll import KVPoll
 
 rooms = st.integers(0, 2**63 - 1)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import requests
+from transfer_large_image import make_image, run_request
+from workers import WorkerProcess
 
 from embedding_side.encoders import QwenVisionEncoder
 from embedding_side.images import load_image
-from transfer_large_image import make_image, run_request
-from workers import WorkerProcess
 
 
 class Pair:
