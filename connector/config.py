@@ -19,6 +19,7 @@ ENV_NAMES = {
     "heartbeat_max_failures": "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
     "abort_ack_timeout": "SGLANG_EMBEDDING_ABORT_ACK_TIMEOUT",
     "transfer_workers": "SGLANG_EMBEDDING_TRANSFER_WORKERS",
+    "max_sleep": "SGLANG_EMBEDDING_MAX_SLEEP",
 }
 
 
@@ -40,6 +41,7 @@ class ConnectorConfig:
     heartbeat_max_failures: int = 2
     abort_ack_timeout: float = 10.0  # then the peer is declared dead and its blocks freed
     transfer_workers: int = 2
+    max_sleep: float = 3600.0  # a sleeping peer's rooms are kept this long, then fail
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,7 +54,7 @@ class ConnectorConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("bootstrap_timeout", "waiting_timeout", "resume_timeout", "heartbeat_interval",
-                     "abort_ack_timeout"):
+                     "abort_ack_timeout", "max_sleep"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.protocol not in ("tcp", "rdma"):

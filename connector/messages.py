@@ -8,12 +8,15 @@ Language -> encoder (the encoder's PULL socket):
   allocated_tokens]``;
 * resume (8 frames) ``[room, endpoint, dst_port, session_id, "i,j,k" (new blocks),
   required_dst_info_num, sent_tokens, allocated_tokens]``;
-* abort ``[b"ABORT", room, endpoint, dst_port, generation]``.
+* abort ``[b"ABORT", room, endpoint, dst_port, generation]``;
+* suspend ``[b"SUSPEND", room, endpoint, dst_port, generation]`` (ours, for sleep): write nothing
+  more for the room until a resume, which may come from a new session of the same worker.
 
 Encoder -> language (the language side's PULL socket):
 
 * status ``[room, status]`` plus our optional ``sent_tokens`` (after the round) and ``reason``;
-* abort ack ``[b"ABORT_ACK", room, generation]``.
+* abort ack ``[b"ABORT_ACK", room, generation]`` and suspend ack ``[b"SUSPEND_ACK", room, generation]``,
+  each sent once nothing of that room is in flight.
 
 Numbers are ASCII decimal. Every decoder raises :class:`ProtocolError` with a message that
 names the bad frame; nothing else escapes it.
@@ -23,12 +26,15 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import ClassVar
 
 from connector.poll import KVPoll
 
 REGISTER_TAG = b"None"
 ABORT_TAG = b"ABORT"
 ABORT_ACK_TAG = b"ABORT_ACK"
+SUSPEND_TAG = b"SUSPEND"
+SUSPEND_ACK_TAG = b"SUSPEND_ACK"
 
 MAX_ROOM = 2**63 - 1
 MAX_TOKENS = 2**31 - 1
@@ -92,15 +98,28 @@ class ResumeMsg:
 
 
 @dataclass(frozen=True)
-class AbortMsg:
+class _RoomControl:
+    """Shared frames of abort and suspend: ``[tag, room, endpoint, dst_port, generation]``."""
+
     room: int
     endpoint: str
     dst_port: int
     generation: int
+    TAG: ClassVar[bytes] = b""
 
     def encode(self) -> list[bytes]:
-        return [ABORT_TAG, str(self.room).encode(), self.endpoint.encode(),
-                str(self.dst_port).encode(), str(self.generation).encode()]
+        return [self.TAG, str(self.room).encode(), self.endpoint.encode(), str(self.dst_port).encode(),
+                str(self.generation).encode()]
+
+
+@dataclass(frozen=True)
+class AbortMsg(_RoomControl):
+    TAG: ClassVar[bytes] = ABORT_TAG
+
+
+@dataclass(frozen=True)
+class SuspendMsg(_RoomControl):
+    TAG: ClassVar[bytes] = SUSPEND_TAG
 
 
 @dataclass(frozen=True)
@@ -120,16 +139,30 @@ class StatusMsg:
 
 
 @dataclass(frozen=True)
-class AbortAckMsg:
+class _RoomAck:
     room: int
     generation: int
+    TAG: ClassVar[bytes] = b""
 
     def encode(self) -> list[bytes]:
-        return [ABORT_ACK_TAG, str(self.room).encode(), str(self.generation).encode()]
+        return [self.TAG, str(self.room).encode(), str(self.generation).encode()]
 
 
-EncoderBound = RegisterMsg | InitMsg | ResumeMsg | AbortMsg
-LanguageBound = StatusMsg | AbortAckMsg
+@dataclass(frozen=True)
+class AbortAckMsg(_RoomAck):
+    TAG: ClassVar[bytes] = ABORT_ACK_TAG
+
+
+@dataclass(frozen=True)
+class SuspendAckMsg(_RoomAck):
+    TAG: ClassVar[bytes] = SUSPEND_ACK_TAG
+
+
+_CONTROLS = {cls.TAG: cls for cls in (AbortMsg, SuspendMsg)}
+_ACKS = {cls.TAG: cls for cls in (AbortAckMsg, SuspendAckMsg)}
+
+EncoderBound = RegisterMsg | InitMsg | ResumeMsg | AbortMsg | SuspendMsg
+LanguageBound = StatusMsg | AbortAckMsg | SuspendAckMsg
 
 
 def decode_encoder_bound(frames: list[bytes]) -> EncoderBound:
@@ -145,11 +178,11 @@ def decode_encoder_bound(frames: list[bytes]) -> EncoderBound:
         item_lens = _unpack_u64(frames[7], "item_lens") if n == 8 else None
         return RegisterMsg(_host(frames[1], "endpoint"), _port(frames[2]), _session(frames[3]),
                            _unpack_u64(frames[4], "base pointers"), generation, num_blocks, item_lens)
-    if head == ABORT_TAG:
+    if head in _CONTROLS:
         if n != 5:
-            raise ProtocolError(f"abort needs 5 frames, got {n}")
-        return AbortMsg(_int(frames[1], "room", 0, MAX_ROOM), _host(frames[2], "endpoint"),
-                        _port(frames[3]), _int(frames[4], "generation", 0, MAX_ROOM))
+            raise ProtocolError(f"{head.decode().lower()} needs 5 frames, got {n}")
+        return _CONTROLS[head](_int(frames[1], "room", 0, MAX_ROOM), _host(frames[2], "endpoint"),
+                               _port(frames[3]), _int(frames[4], "generation", 0, MAX_ROOM))
     if n not in (7, 8):
         raise ProtocolError(f"expected register, abort, init (7 frames) or resume (8 frames); got {n} frames")
     room = _int(frames[0], "room", 0, MAX_ROOM)
@@ -171,10 +204,10 @@ def decode_language_bound(frames: list[bytes]) -> LanguageBound:
     if not isinstance(frames, list) or not frames or not all(isinstance(f, bytes) for f in frames):
         raise ProtocolError("message must be a non-empty list of byte frames")
     n = len(frames)
-    if frames[0] == ABORT_ACK_TAG:
+    if frames[0] in _ACKS:
         if n != 3:
-            raise ProtocolError(f"abort ack needs 3 frames, got {n}")
-        return AbortAckMsg(_int(frames[1], "room", 0, MAX_ROOM), _int(frames[2], "generation", 0, MAX_ROOM))
+            raise ProtocolError(f"{frames[0].decode().lower()} needs 3 frames, got {n}")
+        return _ACKS[frames[0]](_int(frames[1], "room", 0, MAX_ROOM), _int(frames[2], "generation", 0, MAX_ROOM))
     if n not in (2, 3, 4):
         raise ProtocolError(f"status needs 2 to 4 frames, got {n}")
     room = _int(frames[0], "room", 0, MAX_ROOM)

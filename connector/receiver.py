@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import requests
 import zmq
 
@@ -34,6 +35,8 @@ from connector.messages import (
     RegisterMsg,
     ResumeMsg,
     StatusMsg,
+    SuspendAckMsg,
+    SuspendMsg,
     decode_language_bound,
 )
 from connector.poll import KVPoll, RoomState, TransferFailure
@@ -41,6 +44,20 @@ from connector.transport import Transport
 from connector.zmq_link import PullLoop, PushSockets
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReceiverCheckpoint:
+    """A room put aside for sleep: what landed so far, and where it came from."""
+
+    room: int
+    bootstrap_addr: str
+    route: RankRoute
+    landed: int  # tokens [0, landed) are valid in ``data``
+    total_tokens: int | None  # None until the first round landed
+    aux: np.ndarray | None
+    resume_rounds: int
+    data: Embedding | None  # ``total_tokens`` rows, the first ``landed`` filled
 
 
 @dataclass
@@ -65,6 +82,8 @@ class EmbeddingReceiver:
         self._aux = None
         self._blocks_owned = True  # False once the blocks went back to the allocator
         self._awaiting_ack_since: float | None = None
+        self._suspend_acked = False  # the encoder confirmed: nothing of this room is or will be in flight
+        self._needs_resume = False  # restored after sleep: continue with a resume, not an init
         self._last_progress = time.monotonic()
         self.peer_name = f"encode peer {bootstrap_addr} (rank {route.rank_ip}:{route.rank_port})"
 
@@ -101,12 +120,16 @@ class EmbeddingReceiver:
         retried later (nothing could be allocated).
         """
         with self._m._lock:
-            if self.state.status != KVPoll.Transferring:
+            restored = self._needs_resume and self.state.status == KVPoll.Bootstrapping
+            if self.state.status != KVPoll.Transferring and not restored:
                 return False
             m, bs = self._m, self._m.config.block_size
-            need = -(-self.remaining_tokens() // bs)
+            if self.total_tokens is None:  # restored before anything landed: start over from 0
+                need = m.config.default_allocate_blocks
+            else:
+                need = -(-self.remaining_tokens() // bs)
             free = m.allocator.free_blocks
-            if free == 0:
+            if free == 0 and self._rounds:
                 self._spill_locked()
                 free = m.allocator.free_blocks
             blocks = m.allocator.allocate(min(need, free)) if free else None
@@ -117,6 +140,7 @@ class EmbeddingReceiver:
             self._round_end = start + len(blocks) * bs
             self.state.advance(KVPoll.WaitingForInput, start)
             self.resume_rounds += 1
+            self._needs_resume = False
             self._last_progress = time.monotonic()
         msg = ResumeMsg(self.room, m.config.host, m.rank_port, m.transport.session_id, tuple(blocks), 1, start,
                         len(blocks) * bs)
@@ -161,13 +185,50 @@ class EmbeddingReceiver:
             m = self._m
             m._send(self, AbortMsg(self.room, m.config.host, m.rank_port, m.generation).encode())
 
+    def suspend(self) -> None:
+        """Ask the encoder to write nothing more for this room (sleep); see ``suspended``."""
+        with self._m._lock:
+            if self.state.progress.terminal:
+                return
+            m = self._m
+            m._send(self, SuspendMsg(self.room, m.config.host, m.rank_port, m.generation).encode())
+
+    @property
+    def suspended(self) -> bool:
+        return self._suspend_acked
+
+    def checkpoint(self) -> ReceiverCheckpoint:
+        """After the suspend ack: keep what landed in host memory and give every block back."""
+        with self._m._lock:
+            status = self.state.status
+            if status in (KVPoll.Success, KVPoll.Failed) or not (self._suspend_acked or self._needs_resume):
+                raise RuntimeError(f"room {self.room}: cannot checkpoint in state {status.name}")
+            if status == KVPoll.Transferring:
+                assert self.total_tokens is not None
+                landed = min(self._round_end, self.total_tokens)
+            elif self._needs_resume:
+                landed = self._spilled
+            else:  # the current round was never written
+                landed = self.state.progress.sent_tokens
+            if landed and self._out is None:
+                assert self.total_tokens is not None
+                self._out = Embedding.empty(self.total_tokens, self._m.pool.hidden_size, self._m.pool.dtype)
+            if landed:
+                self._copy_rounds_into(self._out, landed)
+            self._free_blocks_locked()
+            self._m._forget(self)
+            return ReceiverCheckpoint(self.room, self.bootstrap_addr, self.route, landed, self.total_tokens,
+                                      self._aux, self.resume_rounds, self._out if landed else None)
+
     # ---- internals (manager lock held) -------------------------------------------------------
 
-    def _copy_rounds_into(self, out: Embedding) -> None:
+    def _copy_rounds_into(self, out: Embedding, upto: int | None = None) -> None:
+        """Copy the rounds still in the pool into ``out``, tokens below ``upto`` (default: all)."""
         bs = self._m.config.block_size
         assert self.total_tokens is not None
+        end = self.total_tokens if upto is None else upto
         for rnd in self._rounds:
-            n = min(len(rnd.block_ids) * bs, self.total_tokens - rnd.start)
+            n = min(len(rnd.block_ids) * bs, end - rnd.start)
             if n > 0:
                 self._m.pool.read_into(rnd.block_ids[: -(-n // bs)], out, rnd.start, n)
 
@@ -238,6 +299,7 @@ class EmbeddingReceiver:
 
     def _notify(self) -> None:
         self._changed.notify_all()
+        self._m._any_change.notify_all()
         self._m.on_change()
 
     def wait(self, timeout: float) -> KVPoll:
@@ -265,6 +327,8 @@ class EmbeddingReceiverManager:
         self._routes: dict[str, RankRoute] = {}  # bootstrap addr -> encode rank
         self._registered: set[tuple[str, int]] = set()  # encode ranks that have our register
         self._heartbeat_misses: collections.Counter[str] = collections.Counter()
+        self._sleeping_peers: dict[str, float] = {}  # bootstrap addr -> when it was first seen asleep
+        self._any_change = threading.Condition(self._lock)
         transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
         self._context = zmq.Context()
         self._push = PushSockets(self._context)
@@ -292,6 +356,56 @@ class EmbeddingReceiverManager:
     def active_rooms(self) -> int:
         with self._lock:
             return len(self._rooms)
+
+    # ---- sleep ------------------------------------------------------------------------------
+
+    def suspend_all(self, receivers: list[EmbeddingReceiver], timeout: float) -> None:
+        """Suspend rooms with their encoders; wait for every ack (rooms that miss it are aborted)."""
+        for receiver in receivers:
+            receiver.suspend()
+        with self._lock:
+            done = lambda: all(r._suspend_acked or r.state.progress.terminal for r in receivers)  # noqa: E731
+            if not self._wait(done, timeout):
+                for r in receivers:
+                    if not (r._suspend_acked or r.state.progress.terminal):
+                        r.abort(f"timeout: {r.peer_name} did not acknowledge the suspend within {timeout:g}s")
+
+    def _wait(self, predicate, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._any_change.wait(min(left, 0.05))
+        return True
+
+    def detach_pool(self) -> None:
+        """Deregister the pool (sleep). Every block must be back."""
+        with self._lock:
+            if not self.allocator.all_free():
+                raise RuntimeError(f"cannot release the pool: {self.allocator.num_blocks - self.allocator.free_blocks} "
+                                   "blocks still in use")
+            self.transport.unregister([b.ctypes.data for b in self.pool.buffers])
+
+    def attach_pool(self, pool: BufferPool, allocator: BlockAllocator) -> None:
+        """Register a new pool (wake) under a new generation; encoders get a fresh register."""
+        with self._lock:
+            self.pool, self.allocator = pool, allocator
+            self.transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
+            self.generation = (self.generation + 1) & (2**63 - 1)
+            self._registered.clear()
+
+    def restore(self, ckpt: ReceiverCheckpoint) -> EmbeddingReceiver:
+        """A receiver that continues a checkpointed room: call ``try_resume`` to send its resume."""
+        with self._lock:
+            if ckpt.room in self._rooms:
+                raise ValueError(f"room {ckpt.room} is already receiving")
+            self._routes.setdefault(ckpt.bootstrap_addr, ckpt.route)
+            r = EmbeddingReceiver(self, ckpt.bootstrap_addr, ckpt.room, ckpt.route)
+            r.total_tokens, r._aux, r.resume_rounds = ckpt.total_tokens, ckpt.aux, ckpt.resume_rounds
+            r._out, r._spilled, r._round_end, r._needs_resume = ckpt.data, ckpt.landed, ckpt.landed, True
+            self._rooms[ckpt.room] = r
+            return r
 
     def allocate_waiting(self, n: int, deadline: float) -> list[int] | None:
         """Allocate ``min(n, pool size)`` blocks, waiting for frees until ``deadline``."""
@@ -349,6 +463,13 @@ class EmbeddingReceiverManager:
                 self.stats["unknown_room"] += 1
                 log.debug("message for unknown room %d dropped", msg.room)
                 return
+            if isinstance(msg, SuspendAckMsg):
+                if msg.generation == self.generation:
+                    receiver._suspend_acked = True
+                    receiver._notify()
+                else:
+                    self.stats["stale_message"] += 1
+                return
             if isinstance(msg, AbortAckMsg):
                 if msg.generation == self.generation and receiver.state.status == KVPoll.Failed:
                     self.stats["abort_acked"] += 1
@@ -378,6 +499,10 @@ class EmbeddingReceiverManager:
                     log.warning("room %d: no ABORT_ACK from %s within %gs; declaring it dead for this room",
                                 receiver.room, receiver.peer_name, self.config.abort_ack_timeout)
                     receiver._release_failed()
+                elif receiver.bootstrap_addr in self._sleeping_peers:
+                    asleep_for = now - self._sleeping_peers[receiver.bootstrap_addr]
+                    if asleep_for > self.config.max_sleep:
+                        receiver.abort(f"timeout: {receiver.peer_name} slept longer than {self.config.max_sleep:g}s")
                 elif (receiver.state.status == KVPoll.WaitingForInput
                       and now - receiver._last_progress > self.config.waiting_timeout):
                     receiver.abort(f"timeout: no data from {receiver.peer_name} within "
@@ -391,6 +516,7 @@ class EmbeddingReceiverManager:
             try:
                 resp = self._http.get(f"{base}/health", timeout=self.config.heartbeat_interval)
                 ok, why = resp.status_code == 200, f"HTTP {resp.status_code}"
+                self._note_sleeping(addr, ok and resp.text.startswith("SLEEPING"))
             except requests.RequestException as exc:
                 ok, why = False, type(exc).__name__
             if ok:
@@ -399,6 +525,16 @@ class EmbeddingReceiverManager:
             self._heartbeat_misses[addr] += 1
             if self._heartbeat_misses[addr] >= self.config.heartbeat_max_failures:
                 self._declare_dead(addr, f"{self._heartbeat_misses[addr]} heartbeats missed ({why})")
+
+    def _note_sleeping(self, addr: str, sleeping: bool) -> None:
+        """A sleeping encoder is alive: its rooms wait (up to ``max_sleep``) instead of timing out."""
+        with self._lock:
+            if sleeping:
+                self._sleeping_peers.setdefault(addr, time.monotonic())
+            elif self._sleeping_peers.pop(addr, None) is not None:
+                for receiver in self._rooms.values():
+                    if receiver.bootstrap_addr == addr:
+                        receiver._last_progress = time.monotonic()
 
     def _declare_dead(self, addr: str, why: str) -> None:
         with self._lock:

@@ -25,7 +25,7 @@ import zmq
 
 from connector.addressing import plan_round
 from connector.allocator import BlockAllocator
-from connector.buffers import BufferPool
+from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
 from connector.messages import (
     AbortAckMsg,
@@ -35,6 +35,8 @@ from connector.messages import (
     RegisterMsg,
     ResumeMsg,
     StatusMsg,
+    SuspendAckMsg,
+    SuspendMsg,
     check_blocks,
     decode_encoder_bound,
 )
@@ -82,6 +84,9 @@ class _Room:
     deadline: float = 0.0
     concluded_at: float | None = None
     freed: bool = False
+    suspended_at: float | None = None  # the language side suspended the room to sleep
+    pending_suspend_acks: list[SuspendMsg] = field(default_factory=list)
+    held: Embedding | None = None  # source data kept in host memory while this worker sleeps
 
 
 class EmbeddingSender:
@@ -126,6 +131,8 @@ class EmbeddingSenderManager:
         self._peers: dict[str, _Peer] = {}
         self._work: queue.Queue[int | None] = queue.Queue()
         self._stop = threading.Event()
+        self._paused = False  # this worker sleeps: no write starts, no timeout fires
+        self._idle = threading.Condition(self._lock)  # notified when a write finishes
         transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
         self._context = zmq.Context()
         self._push = PushSockets(self._context)
@@ -147,6 +154,55 @@ class EmbeddingSenderManager:
             if r is None:
                 self._rooms[room] = _Room(room, deadline=time.monotonic() + self.config.bootstrap_timeout)
         return EmbeddingSender(self, room)
+
+    # ---- sleep ------------------------------------------------------------------------------
+
+    def pause(self, timeout: float = 60.0) -> None:
+        """Start no new write and wait until none is in flight (this worker goes to sleep)."""
+        with self._lock:
+            self._paused = True
+            if not self._idle.wait_for(lambda: not any(r.in_flight for r in self._rooms.values()), timeout):
+                raise TimeoutError(f"writes still in flight after {timeout:g}s")
+
+    def abort_all(self, reason: str) -> None:
+        with self._lock:
+            for r in list(self._rooms.values()):
+                if r.concluded_at is None:
+                    self._fail(r, reason)
+
+    def detach_pool(self) -> int:
+        """Copy every live room's source data to host memory, free the blocks, deregister the
+        pool. Call after :meth:`pause`. Returns the bytes kept."""
+        kept = 0
+        with self._lock:
+            for r in self._rooms.values():
+                if r.concluded_at is None and r.src_blocks is not None and not r.freed:
+                    r.held = Embedding.empty(r.total_tokens, self.pool.hidden_size, self.pool.dtype)
+                    self.pool.read_into(r.src_blocks, r.held, 0, r.total_tokens)
+                    r.held.aux[:] = self.pool.aux[r.src_blocks[0]]
+                    self.allocator.free(r.src_blocks)
+                    r.src_blocks = None
+                    kept += r.held.embeddings.nbytes + r.held.fill_ids.nbytes + r.held.mrope_positions.nbytes
+            self.transport.unregister([b.ctypes.data for b in self.pool.buffers])
+        return kept
+
+    def attach_pool(self, pool: BufferPool, allocator: BlockAllocator) -> None:
+        """Register a new pool (after sleep), put the kept data back, let writes start again."""
+        with self._lock:
+            self.pool, self.allocator = pool, allocator
+            self.transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
+            now = time.monotonic()
+            for r in self._rooms.values():
+                if r.held is not None:
+                    blocks = allocator.allocate(pool.blocks_for(r.held.num_tokens))
+                    if blocks is None:
+                        raise RuntimeError("the new pool cannot hold the rooms kept over sleep")
+                    pool.write(blocks, r.held)
+                    r.src_blocks, r.held = blocks, None
+                r.deadline = max(r.deadline, now + self.config.resume_timeout)
+            self._paused = False
+            for r in list(self._rooms.values()):
+                self._maybe_start(r)
 
     def active_rooms(self) -> int:
         with self._lock:
@@ -192,6 +248,8 @@ class EmbeddingSenderManager:
             return
         if not all(d.ready for d in r.dsts) or r.in_flight or r.state.progress.terminal:
             return
+        if self._paused or r.suspended_at is not None:
+            return
         for d in r.dsts:
             d.ready = False
         r.in_flight = True
@@ -219,6 +277,12 @@ class EmbeddingSenderManager:
         for ack in r.pending_acks:
             self._push_safe(ack.endpoint, ack.dst_port, AbortAckMsg(r.room, ack.generation).encode())
         r.pending_acks.clear()
+        self._send_suspend_acks(r)
+
+    def _send_suspend_acks(self, r: _Room) -> None:
+        for ack in r.pending_suspend_acks:
+            self._push_safe(ack.endpoint, ack.dst_port, SuspendAckMsg(r.room, ack.generation).encode())
+        r.pending_suspend_acks.clear()
 
     def _abort_local(self, room: int, reason: str) -> None:
         with self._lock:
@@ -250,6 +314,8 @@ class EmbeddingSenderManager:
                 self._on_register(msg)
             elif isinstance(msg, AbortMsg):
                 self._on_abort(msg)
+            elif isinstance(msg, SuspendMsg):
+                self._on_suspend(msg)
             else:
                 self._on_round_request(msg)
 
@@ -278,7 +344,7 @@ class EmbeddingSenderManager:
         for session in old_sessions:  # the peer restarted: its old incarnation's rooms are dead
             del self._peers[session]
             for r in list(self._rooms.values()):
-                if any(d.session_id == session for d in r.dsts):
+                if any(d.session_id == session for d in r.dsts) and r.suspended_at is None:
                     self._fail(r, f"language peer {msg.endpoint}:{msg.dst_port} restarted", notify=False)
         self._peers[msg.session_id] = _Peer(msg.endpoint, msg.dst_port, msg.base_ptrs, msg.generation,
                                             msg.num_blocks, mismatch)
@@ -294,6 +360,17 @@ class EmbeddingSenderManager:
         self._fail(r, f"aborted by language peer {msg.endpoint}:{msg.dst_port}", notify=False)
         if not r.in_flight:
             self._conclude(r)
+
+    def _on_suspend(self, msg: SuspendMsg) -> None:
+        """The language side goes to sleep: write nothing more for the room, ack once idle."""
+        r = self._rooms.get(msg.room)
+        if r is None or r.concluded_at is not None:
+            self._push_safe(msg.endpoint, msg.dst_port, SuspendAckMsg(msg.room, msg.generation).encode())
+            return
+        r.suspended_at = time.monotonic()
+        r.pending_suspend_acks.append(msg)
+        if not r.in_flight:
+            self._send_suspend_acks(r)
 
     def _on_round_request(self, msg: InitMsg | ResumeMsg) -> None:
         peer = self._peers.get(msg.session_id)
@@ -330,8 +407,12 @@ class EmbeddingSenderManager:
                 r.state.advance(KVPoll.WaitingForInput)
         else:
             assert r is not None
-            slot = next(d for d in r.dsts if d.session_id == msg.session_id)
-            slot.block_ids, slot.allocated_tokens, slot.ready = msg.block_ids, msg.allocated_tokens, True
+            if r.suspended_at is not None:  # woken (maybe restarted) language side: rebind the room
+                r.suspended_at = None
+                r.dsts = [dst]
+            else:
+                slot = next(d for d in r.dsts if d.session_id == msg.session_id)
+                slot.block_ids, slot.allocated_tokens, slot.ready = msg.block_ids, msg.allocated_tokens, True
             if all(d.ready for d in r.dsts):
                 r.state.advance(KVPoll.WaitingForInput, msg.sent_tokens)
         self._maybe_start(r)
@@ -339,9 +420,15 @@ class EmbeddingSenderManager:
     def _check_resume(self, r: _Room | None, msg: ResumeMsg) -> str:
         if r is None or r.concluded_at is not None:
             return f"resume for unknown or finished room {msg.room}"
+        progress = r.state.progress
+        if r.suspended_at is not None:  # after a sleep: any state, as long as progress agrees
+            if len(r.dsts) != 1:
+                return f"room {msg.room} has {len(r.dsts)} destinations; only one can be resumed after sleep"
+            if msg.sent_tokens != progress.sent_tokens:
+                return f"resume after sleep at sent_tokens {msg.sent_tokens} != {progress.sent_tokens} already sent"
+            return ""
         if not any(d.session_id == msg.session_id for d in r.dsts):
             return f"resume for room {msg.room} from session {msg.session_id}, which did not init it"
-        progress = r.state.progress
         if progress.status != KVPoll.Transferring:
             return f"resume for room {msg.room} in state {progress.status.name}"
         if msg.sent_tokens != progress.sent_tokens:
@@ -363,12 +450,14 @@ class EmbeddingSenderManager:
             error = "" if failed else self._write_round(r, start, dsts)
             with self._lock:
                 r.in_flight = False
+                self._idle.notify_all()
                 if error:
                     self._fail(r, error)
                 elif r.state.status != KVPoll.Failed:
                     self._finish_round(r, start, dsts)
                 if r.state.status == KVPoll.Failed:
                     self._conclude(r)
+                self._send_suspend_acks(r)
 
     def _write_round(self, r: _Room, start: int, dsts: list[_Destination]) -> str:
         assert r.src_blocks is not None
@@ -412,7 +501,13 @@ class EmbeddingSenderManager:
                         if now - r.concluded_at > _CONCLUDED_GRACE_S:
                             del self._rooms[room]
                         continue
-                    if r.in_flight or now < r.deadline:
+                    if self._paused or r.in_flight:
+                        continue
+                    if r.suspended_at is not None:
+                        if now - r.suspended_at > self.config.max_sleep:
+                            self._fail(r, f"timeout: language peer slept longer than {self.config.max_sleep:g}s")
+                        continue
+                    if now < r.deadline:
                         continue
                     status = r.state.status
                     if status == KVPoll.Transferring:

@@ -8,6 +8,7 @@ ports once it listens. Control requests (ZMQ REQ/REP, JSON, no pickle):
 * ``{"op": "stage", "room", "tokens", "seed"}`` -> ``{"digests"}``: fill blocks and ``send()``
 * ``{"op": "status", "room"}`` -> ``{"status", "reason"}``
 * ``{"op": "stats"}`` -> ``{"free_blocks", "num_blocks", "active_rooms", "counters"}``
+* ``{"op": "sleep"}`` / ``{"op": "wake"}``: keep rooms over a released and re-created pool
 * ``{"op": "shutdown"}``
 
 It also serves a plain TCP socket for the benchmark's baseline: send an 8-byte little-endian
@@ -90,7 +91,9 @@ def main() -> None:
     allocator = BlockAllocator(config.num_blocks)
     transport = MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion)
     manager = EmbeddingSenderManager(config, transport, pool, allocator)
-    bootstrap = BootstrapServer(args.host, args.bootstrap_port)
+    sleeping = threading.Event()
+    bootstrap = BootstrapServer(args.host, args.bootstrap_port,
+                                health_status=lambda: "SLEEPING" if sleeping.is_set() else "OK")
     bootstrap.put_route(1, 1, args.host, manager.rank_port, 0)
     socket_port = serve_socket_baseline(args.host, pool.embeddings)
 
@@ -124,6 +127,18 @@ def main() -> None:
             elif op == "stats":
                 reply = {"free_blocks": allocator.free_blocks, "num_blocks": allocator.num_blocks,
                          "active_rooms": manager.active_rooms(), "counters": dict(manager.stats)}
+            elif op == "sleep":
+                manager.pause()
+                kept = manager.detach_pool()
+                pool = allocator = None
+                sleeping.set()
+                reply = {"kept_bytes": kept}
+            elif op == "wake":
+                pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
+                allocator = BlockAllocator(config.num_blocks)
+                manager.attach_pool(pool, allocator)
+                sleeping.clear()
+                reply = {"ok": True}
             elif op == "shutdown":
                 rep.send(json.dumps({"ok": True}).encode())
                 break

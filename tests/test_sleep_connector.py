@@ -1,0 +1,101 @@
+"""Sleep and wake at the connector level, at chosen moments: rooms survive bit-identical."""
+
+from __future__ import annotations
+
+import time
+
+from connector.allocator import BlockAllocator
+from connector.buffers import BufferPool
+from connector.poll import KVPoll
+from test_faults import start_room, wait_for
+
+
+def language_sleep_and_wake(lang, receivers):
+    """What the language worker does: suspend, checkpoint, release, re-create, restore, resume."""
+    lang.manager.suspend_all(receivers, timeout=30)
+    ckpts = [r.checkpoint() for r in receivers]
+    assert lang.allocator.all_free()
+    lang.manager.detach_pool()
+    old_base = lang.pool.base_ptrs
+    lang.pool = BufferPool(lang.config.num_blocks, lang.config.block_size, lang.config.hidden_size)
+    lang.allocator = BlockAllocator(lang.config.num_blocks)
+    lang.manager.attach_pool(lang.pool, lang.allocator)
+    assert lang.pool.base_ptrs != old_base
+    restored = [lang.manager.restore(c) for c in ckpts]
+    for r in restored:
+        assert r.try_resume()
+    return ckpts, restored
+
+
+def finish(lang, receiver, expected, timeout=60):
+    deadline = time.monotonic() + timeout
+    while receiver.poll() != KVPoll.Success:
+        receiver.failure_exception()
+        assert time.monotonic() < deadline, "room did not finish"
+        if not receiver.try_resume():
+            receiver.wait(0.5)
+    emb = receiver.assemble()
+    assert emb.digests() == expected
+    emb.release()
+
+
+def test_language_sleeps_between_rounds_while_the_encoder_waits_for_its_resume(make_peer, make_language) -> None:
+    peer, lang = make_peer(resume_timeout=1), make_language()
+    expected = peer.call("stage", room=1, tokens=20_000, seed=1)["digests"]
+    receiver = start_room(lang, peer, 1, 64)
+    assert receiver.wait(30) == KVPoll.Transferring
+    ckpts, (restored,) = language_sleep_and_wake(lang, [receiver])
+    assert ckpts[0].landed == 8192 and ckpts[0].total_tokens == 20_000
+    finish(lang, restored, expected)
+    assert restored.resume_rounds == 1
+
+
+def test_a_suspended_room_outlives_the_encoders_resume_timeout(make_peer, make_language) -> None:
+    peer, lang = make_peer(resume_timeout=1), make_language()
+    expected = peer.call("stage", room=2, tokens=9000, seed=2)["digests"]
+    receiver = start_room(lang, peer, 2, 64)
+    assert receiver.wait(30) == KVPoll.Transferring
+    lang.manager.suspend_all([receiver], timeout=30)
+    time.sleep(2.5)  # asleep for longer than the encoder's resume timeout
+    assert peer.call("status", room=2)["status"] == "Transferring"
+    ckpt = receiver.checkpoint()
+    finish(lang, lang.manager.restore(ckpt), expected)
+
+
+def test_language_sleeps_mid_round_and_the_round_lands_before_the_ack(make_peer, make_language) -> None:
+    peer, lang = make_peer(num_blocks=600), make_language(num_blocks=300)
+    expected = peer.call("stage", room=3, tokens=36_000, seed=3)["digests"]
+    receiver = start_room(lang, peer, 3, 100)  # 12,800 tokens in the first round
+    time.sleep(0.005)
+    ckpts, (restored,) = language_sleep_and_wake(lang, [receiver])
+    assert ckpts[0].landed in (0, 12_800)
+    finish(lang, restored, expected)
+
+
+def test_language_sleeps_before_any_data_and_starts_over_with_a_resume(make_peer, make_language) -> None:
+    peer, lang = make_peer(), make_language()
+    receiver = start_room(lang, peer, 4, 64)  # the encoder has no data for room 4 yet
+    ckpts, (restored,) = language_sleep_and_wake(lang, [receiver])
+    assert ckpts[0].landed == 0 and ckpts[0].total_tokens is None
+    expected = peer.call("stage", room=4, tokens=10_000, seed=4)["digests"]
+    finish(lang, restored, expected)
+
+
+def test_encoder_sleeps_with_rooms_in_every_phase_and_they_all_finish(make_peer, make_language) -> None:
+    peer = make_peer(num_blocks=600)
+    lang = make_language(num_blocks=300, heartbeat_interval=0.3, waiting_timeout=1.5)
+    expected = {room: peer.call("stage", room=room, tokens=tokens, seed=room)["digests"]
+                for room, tokens in ((10, 20_000), (11, 30_000), (12, 500))}
+    waiting = start_room(lang, peer, 10, 64)
+    assert waiting.wait(30) == KVPoll.Transferring  # between rounds
+    writing = start_room(lang, peer, 11, 200)  # mid-round
+    kept = peer.call("sleep")["kept_bytes"]
+    assert kept >= (20_000 + 30_000 + 500) * 3584 * 2
+    queued = start_room(lang, peer, 12, 8)  # init while the encoder sleeps
+    assert waiting.try_resume()  # resume while the encoder sleeps
+    time.sleep(3)  # twice the waiting timeout: a sleeping peer is alive, its rooms wait
+    assert all(r.poll() != KVPoll.Failed for r in (waiting, writing, queued))
+    peer.call("wake")
+    for room, receiver in ((10, waiting), (11, writing), (12, queued)):
+        finish(lang, receiver, expected[room])
+    wait_for(lang.allocator.all_free, 5, "language blocks")
