@@ -13,13 +13,47 @@ from aiohttp import web
 class HTTPError(Exception):
     """An error with the HTTP status it maps to; the message goes to the client as is."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.headers = status, message, headers or {}
 
 
-def json_error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message, "status": status}, status=status)
+def asleep_error(role: str) -> HTTPError:
+    return HTTPError(503, f"the {role} worker is asleep; retry after it wakes up", {"Retry-After": "5"})
+
+
+def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message, "status": status}, status=status, headers=headers)
+
+
+def sleep_params(request: web.Request) -> tuple[int, bool]:
+    """``level`` (1 or 2, default 1) and ``preserve_state`` (default false) of ``POST /sleep``."""
+    level = request.query.get("level", "1")
+    preserve = request.query.get("preserve_state", "false").lower()
+    if level not in ("1", "2"):
+        raise HTTPError(400, f"level must be 1 or 2, got {level!r}")
+    if preserve not in ("true", "false", "1", "0"):
+        raise HTTPError(400, f"preserve_state must be true or false, got {preserve!r}")
+    return int(level), preserve in ("true", "1")
+
+
+def add_sleep_routes(app: web.Application, worker) -> None:
+    """``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping`` over a worker's methods."""
+
+    async def sleep(request: web.Request) -> web.Response:
+        level, preserve = sleep_params(request)
+        return web.json_response(await asyncio.to_thread(worker.sleep, level, preserve))
+
+    async def wake_up(request: web.Request) -> web.Response:
+        discard = request.query.get("discard_checkpoint", "false").lower() in ("true", "1")
+        return web.json_response(await asyncio.to_thread(worker.wake_up, discard))
+
+    async def is_sleeping(_request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": worker.is_sleeping()})
+
+    app.router.add_post("/sleep", sleep)
+    app.router.add_post("/wake_up", wake_up)
+    app.router.add_get("/is_sleeping", is_sleeping)
 
 
 @web.middleware
@@ -27,7 +61,7 @@ async def errors_as_json(request: web.Request, handler: Callable[[web.Request], 
     try:
         return await handler(request)
     except HTTPError as exc:
-        return json_error(exc.status, exc.message)
+        return json_error(exc.status, exc.message, exc.headers)
     except web.HTTPException as exc:
         return json_error(exc.status, exc.reason or "error")
 
@@ -59,7 +93,8 @@ def serve(app: web.Application, host: str, port: int, banner: Callable[[int], No
     """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM, then call ``on_shutdown``."""
 
     async def main() -> None:
-        runner = web.AppRunner(app, access_log=None)
+        # Requests still waiting (e.g. for a transfer kept over sleep) get 2 s, not aiohttp's 60.
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()

@@ -10,7 +10,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, free_blocks: Callable[[], int], num_blocks: int) -> None:
+    def __init__(self, role: str, pool_blocks: Callable[[], tuple[int, int]]) -> None:
+        """``pool_blocks`` returns ``(free, total)``; ``(0, 0)`` while the pool is released."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("epd_requests", "Requests finished, by outcome", ["role", "outcome"], registry=r)
@@ -22,9 +23,27 @@ class WorkerMetrics:
                                  ["role"], buckets=LATENCY_BUCKETS, registry=r)
         free = Gauge("epd_pool_blocks_free", "Free blocks in the pool", ["role"], registry=r)
         used = Gauge("epd_pool_blocks_used", "Blocks handed out", ["role"], registry=r)
-        free.labels(role).set_function(lambda: free_blocks())
-        used.labels(role).set_function(lambda: num_blocks - free_blocks())
+        free.labels(role).set_function(lambda: pool_blocks()[0])
+        used.labels(role).set_function(lambda: pool_blocks()[1] - pool_blocks()[0])
+        self.sleeps = Counter("epd_sleeps", "Sleeps", ["role", "level", "preserve_state"], registry=r)
+        self.wakes = Counter("epd_wakes", "Wake-ups", ["role"], registry=r)
+        self.sleep_seconds = Histogram("epd_sleep_seconds", "Time to fall asleep", ["role"], buckets=LATENCY_BUCKETS,
+                                       registry=r)
+        self.wake_seconds = Histogram("epd_wake_seconds", "Time to wake up", ["role"], buckets=LATENCY_BUCKETS,
+                                      registry=r)
+        self.checkpoint_bytes = Counter("epd_checkpoint_bytes", "Bytes kept over sleep", ["role"], registry=r)
+        self.restored = Counter("epd_restored_requests", "Requests restored on wake", ["role"], registry=r)
         self.role = role
+
+    def slept(self, level: int, preserve_state: bool, seconds: float, kept_bytes: int) -> None:
+        self.sleeps.labels(self.role, str(level), str(preserve_state).lower()).inc()
+        self.sleep_seconds.labels(self.role).observe(seconds)
+        self.checkpoint_bytes.labels(self.role).inc(kept_bytes)
+
+    def woke(self, seconds: float, restored: int) -> None:
+        self.wakes.labels(self.role).inc()
+        self.wake_seconds.labels(self.role).observe(seconds)
+        self.restored.labels(self.role).inc(restored)
 
     def success(self, tokens: int, nbytes: int, rounds: int, seconds: float) -> None:
         self.requests.labels(self.role, "success").inc()

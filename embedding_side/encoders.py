@@ -37,6 +37,12 @@ class VisionEncoder(Protocol):
 
     def encode(self, images: list[Image.Image]) -> EncodedImages: ...
 
+    def offload(self, level: int) -> None:
+        """Sleep: level 1 keeps the weights in host memory, level 2 drops them."""
+
+    def reload(self) -> None:
+        """Wake: weights back where they compute (reloaded from their source after level 2)."""
+
 
 def smart_resize(height: int, width: int, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
     """Qwen's resize rule: both sides multiples of 28, area within [min_pixels, max_pixels]."""
@@ -78,6 +84,12 @@ class FakeEncoder:
         self.hidden_size = hidden_size
         self._proj = np.random.default_rng(seed).standard_normal((6, hidden_size)).astype(np.float32)
 
+    def offload(self, level: int) -> None:
+        pass  # no weights beyond the fixed projection
+
+    def reload(self) -> None:
+        pass
+
     def encode(self, images: list[Image.Image]) -> EncodedImages:
         grids, parts = [], []
         for image in images:
@@ -115,24 +127,38 @@ class QwenVisionEncoder:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self._torch = torch
-        self.device = device
+        self.device, self.model_path, self.seed = device, model_path, seed
+        self._config_cls, self._model_cls = Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel
         self.processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-        if model_path:
-            vision_cfg, state = _load_checkpoint(Path(model_path))
-            config = Qwen2_5_VLVisionConfig(**vision_cfg)
+        self.model = self._build()
+        self.hidden_size = int(self.model.config.out_hidden_size)
+
+    def _build(self):
+        torch = self._torch
+        if self.model_path:
+            vision_cfg, state = _load_checkpoint(Path(self.model_path))
+            config = self._config_cls(**vision_cfg)
         else:
-            config, state = Qwen2_5_VLVisionConfig(**small_tower_config()), None
+            config, state = self._config_cls(**small_tower_config()), None
         config._attn_implementation = "sdpa"
-        torch.manual_seed(seed)
-        model = Qwen2_5_VisionTransformerPretrainedModel(config)
+        torch.manual_seed(self.seed)  # the built-in tower is the same on every build
+        model = self._model_cls(config)
         if state is not None:
             missing, unexpected = model.load_state_dict(state, strict=False)
             if missing:
-                raise ValueError(f"{model_path}: vision weights missing {len(missing)} tensors, e.g. {missing[:3]}")
+                raise ValueError(f"{self.model_path}: vision weights missing {len(missing)} tensors, e.g. {missing[:3]}")
             if unexpected:
-                log.warning("%s: ignoring %d unexpected vision tensors", model_path, len(unexpected))
-        self.model = model.to(device=device, dtype=torch.bfloat16).eval()
-        self.hidden_size = int(config.out_hidden_size)
+                log.warning("%s: ignoring %d unexpected vision tensors", self.model_path, len(unexpected))
+        return model.to(device=self.device, dtype=torch.bfloat16).eval()
+
+    def offload(self, level: int) -> None:
+        if level == 1:
+            self.model = self.model.to("cpu")
+        else:
+            self.model = None
+
+    def reload(self) -> None:
+        self.model = self._build() if self.model is None else self.model.to(self.device)
 
     def encode(self, images: list[Image.Image]) -> EncodedImages:
         torch = self._torch

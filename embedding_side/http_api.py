@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from connector.http_util import HTTPError, check_room, errors_as_json, read_json
+from connector.http_util import HTTPError, add_sleep_routes, check_room, errors_as_json, read_json
 from embedding_side.worker import EncodeWorker
 
 
@@ -33,5 +33,6 @@ def build_app(worker: EncodeWorker) -> web.Application:
     app.router.add_post("/encode", encode)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    add_sleep_routes(app, worker)
     app.on_cleanup.append(lambda _app: asyncio.to_thread(executor.shutdown, True))
     return app

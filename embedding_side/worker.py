@@ -4,6 +4,10 @@ One request: load and decode every image (400 on bad input), encode them in orde
 embedding, compute fill ids and M-RoPE positions, write it into source blocks (waiting while
 the pool is full) and hand the blocks to the room's sender, which moves them to the language
 side in as many rounds as that side asks for and frees them afterwards.
+
+Sleep lets running encodes finish, stops every write, keeps each room's source data in host
+memory (``preserve_state=true``) or fails the rooms (``false``), releases the pool and
+offloads the weights; the bootstrap server stays up and reports ``SLEEPING`` so peers wait.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from connector.http_util import HTTPError
 from connector.metrics import WorkerMetrics
 from connector.mooncake_transport import MooncakeTransport
 from connector.sender import EmbeddingSenderManager
+from connector.sleep import SleepGate
 from embedding_side.encoders import VisionEncoder
 from embedding_side.images import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S, ImageInputError, load_image
 from embedding_side.positions import image_positions
@@ -39,7 +44,7 @@ class ImageLimits:
 
 class EncodeWorker:
     def __init__(self, config: ConnectorConfig, encoder: VisionEncoder, bootstrap_port: int,
-                 limits: ImageLimits | None = None) -> None:
+                 limits: ImageLimits | None = None, queue_while_sleeping: bool = False) -> None:
         if encoder.hidden_size != config.hidden_size:
             raise ValueError(f"encoder output width {encoder.hidden_size} != configured hidden size {config.hidden_size}")
         self.config, self.encoder, self.limits = config, encoder, limits or ImageLimits()
@@ -47,9 +52,12 @@ class EncodeWorker:
         self.allocator = BlockAllocator(config.num_blocks)
         self.transport = MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion)
         self.sender = EmbeddingSenderManager(config, self.transport, self.pool, self.allocator)
-        self.bootstrap = BootstrapServer(config.host, bootstrap_port)
+        self.gate = SleepGate("encode", queue_while_sleeping, config.max_sleep)
+        self.bootstrap = BootstrapServer(config.host, bootstrap_port,
+                                         health_status=lambda: "SLEEPING" if self.gate.is_sleeping() else "OK")
         self.bootstrap.put_route(1, 1, config.host, self.sender.rank_port, 0)
-        self.metrics = WorkerMetrics("encode", lambda: self.allocator.free_blocks, config.num_blocks)
+        self.metrics = WorkerMetrics("encode", self._pool_blocks)
+        self._idle = threading.Condition()  # notified when an encode request ends
         self._encode_lock = threading.Lock()  # one forward pass at a time; the cores are few
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
@@ -58,7 +66,10 @@ class EncodeWorker:
         """Encode one request and start its transfer; returns the HTTP reply body."""
         if not image_refs or len(image_refs) > self.limits.max_images:
             raise HTTPError(400, f"images must be a list of 1 to {self.limits.max_images} references")
+        self.gate.wait_awake()
         with self._lock:
+            if self.gate.is_sleeping():  # fell asleep between the check and here
+                raise HTTPError(503, "the encode worker is falling asleep", {"Retry-After": "5"})
             if rid in self._in_flight:
                 raise HTTPError(409, f"request {rid!r} is already being encoded")
             self._in_flight.add(rid)
@@ -71,6 +82,8 @@ class EncodeWorker:
         finally:
             with self._lock:
                 self._in_flight.discard(rid)
+            with self._idle:
+                self._idle.notify_all()
 
     def _encode(self, rid: str, room: int, image_refs: list[str], start: float) -> dict:
         try:
@@ -116,9 +129,54 @@ class EncodeWorker:
         return blocks
 
     def health(self) -> dict:
-        return {"status": "ok", "role": "encode", "bootstrap_port": self.bootstrap.port,
-                "free_blocks": self.allocator.free_blocks,
-                "num_blocks": self.allocator.num_blocks, "active_rooms": self.sender.active_rooms()}
+        free, total = self._pool_blocks()
+        return {"status": "sleeping" if self.gate.is_sleeping() else "ok", "role": "encode",
+                "state": self.gate.state.value, "bootstrap_port": self.bootstrap.port, "free_blocks": free,
+                "num_blocks": total, "active_rooms": self.sender.active_rooms()}
+
+    def is_sleeping(self) -> bool:
+        return self.gate.is_sleeping()
+
+    def _pool_blocks(self) -> tuple[int, int]:
+        allocator = self.allocator
+        return (allocator.free_blocks, allocator.num_blocks) if allocator is not None else (0, 0)
+
+    def sleep(self, level: int = 1, preserve_state: bool = False) -> dict:
+        """Finish running encodes, keep (or fail) every room, release the pool, offload weights."""
+        start = time.monotonic()
+        with self.gate.falling_asleep() as proceed:
+            if not proceed:
+                return {"changed": False, "is_sleeping": True}
+            with self._idle:  # new requests are refused (or wait) from here on
+                if not self._idle.wait_for(lambda: not self._in_flight, self.config.bootstrap_timeout):
+                    raise HTTPError(409, "encodes still running; try again")
+            if not preserve_state:
+                self.sender.abort_all("the encode worker went to sleep (preserve_state=false)")
+            self.sender.pause()
+            kept_bytes = self.sender.detach_pool()
+            self.pool = self.allocator = None
+            self.encoder.offload(level)
+        seconds = time.monotonic() - start
+        self.metrics.slept(level, preserve_state, seconds, kept_bytes)
+        log.info("encode worker asleep (level %d, preserve_state=%s): %d bytes kept", level, preserve_state, kept_bytes)
+        return {"changed": True, "is_sleeping": True, "kept_bytes": kept_bytes, "seconds": round(seconds, 4)}
+
+    def wake_up(self, discard_checkpoint: bool = False) -> dict:
+        """Reload weights, re-create and register the pool, let the kept rooms continue."""
+        start = time.monotonic()
+        with self.gate.waking() as proceed:
+            if not proceed:
+                return {"changed": False, "is_sleeping": self.gate.is_sleeping()}
+            self.encoder.reload()
+            self.pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
+                                   self.config.dtype)
+            self.allocator = BlockAllocator(self.config.num_blocks)
+            self.sender.attach_pool(self.pool, self.allocator)
+            rooms = self.sender.active_rooms()
+        seconds = time.monotonic() - start
+        self.metrics.woke(seconds, rooms)
+        log.info("encode worker awake: %d rooms continue", rooms)
+        return {"changed": True, "is_sleeping": False, "restored_requests": rooms, "seconds": round(seconds, 4)}
 
     def close(self) -> None:
         self.sender.close()

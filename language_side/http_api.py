@@ -6,7 +6,7 @@ import asyncio
 
 from aiohttp import web
 
-from connector.http_util import HTTPError, check_room, errors_as_json, read_json
+from connector.http_util import HTTPError, add_sleep_routes, check_room, errors_as_json, read_json
 from language_side.worker import LanguageWorker
 
 
@@ -31,4 +31,5 @@ def build_app(worker: LanguageWorker) -> web.Application:
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    add_sleep_routes(app, worker)
     return app

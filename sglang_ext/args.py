@@ -56,6 +56,13 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                        help=f"env {ENV_NAMES[name]} (default %(default)s)")
     g.add_argument("--heartbeat-max-failure", type=int, default=d.heartbeat_max_failures,
                    help=f"env {ENV_NAMES['heartbeat_max_failures']} (default %(default)s)")
+    g.add_argument("--max-sleep", type=float, default=d.max_sleep, metavar="SECONDS",
+                   help=f"a sleeping peer's rooms are kept this long, env {ENV_NAMES['max_sleep']} (default %(default)s)")
+    g.add_argument("--checkpoint-dir", default=None,
+                   help="also write sleep checkpoints here (safetensors + JSON + checksum); a worker started with a "
+                        "checkpoint in it boots asleep and continues the requests on /wake_up")
+    g.add_argument("--queue-while-sleeping", action="store_true",
+                   help="requests that arrive while asleep wait for the wake-up instead of getting 503")
     g.add_argument("--image-max-bytes", type=int, default=64 << 20, help="encode side: per image (default %(default)s)")
     g.add_argument("--image-fetch-timeout", type=float, default=10.0, help="encode side: http(s) images (default %(default)s)")
 
@@ -69,4 +76,5 @@ def connector_config(args: argparse.Namespace) -> ConnectorConfig:
         protocol=args.mooncake_protocol, ib_device=args.disaggregation_ib_device or "",
         bootstrap_timeout=args.bootstrap_timeout, waiting_timeout=args.waiting_timeout,
         resume_timeout=args.resume_timeout, heartbeat_interval=args.heartbeat_interval,
-        heartbeat_max_failures=args.heartbeat_max_failure, abort_ack_timeout=args.abort_ack_timeout)
+        heartbeat_max_failures=args.heartbeat_max_failure, abort_ack_timeout=args.abort_ack_timeout,
+        max_sleep=args.max_sleep)

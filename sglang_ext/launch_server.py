@@ -27,20 +27,21 @@ def run(args: argparse.Namespace) -> None:
 
         encoder = FakeEncoder(config.hidden_size) if args.encoder == "fake" else QwenVisionEncoder(args.model_path)
         worker = EncodeWorker(config, encoder, args.disaggregation_bootstrap_port,
-                              ImageLimits(args.image_max_bytes, args.image_fetch_timeout))
+                              ImageLimits(args.image_max_bytes, args.image_fetch_timeout), args.queue_while_sleeping)
         extra = (f" bootstrap=http://{config.host}:{worker.bootstrap.port} "
                  f"zmq=tcp://{config.host}:{worker.sender.rank_port} encoder={encoder.name}")
     else:
         from language_side.http_api import build_app
         from language_side.worker import LanguageWorker
 
-        worker = LanguageWorker(config)
+        worker = LanguageWorker(config, checkpoint_dir=args.checkpoint_dir, queue_while_sleeping=args.queue_while_sleeping)
         extra = f" zmq=tcp://{config.host}:{worker.receivers.rank_port}"
 
     def banner(port: int) -> None:
+        state = " (asleep: a checkpoint waits for /wake_up)" if worker.is_sleeping() else ""
         print(f"READY {args.disaggregation_mode} worker http=http://{config.host}:{port}{extra} "
               f"mooncake={worker.transport.session_id} pool={config.num_blocks}x{config.block_size} tokens "
-              f"({config.pool_bytes / 2**20:.0f} MiB)", flush=True)
+              f"({config.pool_bytes / 2**20:.0f} MiB){state}", flush=True)
 
     serve(build_app(worker), config.host, args.port, banner, worker.close)
     print(f"{args.disaggregation_mode} worker stopped", flush=True)

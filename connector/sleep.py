@@ -1,0 +1,90 @@
+"""Worker sleep state: an explicit state machine, one lock serialising sleep and wake."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from connector.http_util import asleep_error
+
+log = logging.getLogger(__name__)
+
+
+class WorkerState(enum.Enum):
+    AWAKE = "awake"
+    FALLING_ASLEEP = "falling_asleep"
+    ASLEEP = "asleep"
+    WAKING = "waking"
+
+
+class SleepGate:
+    """Serialises sleep and wake; tells requests whether they may run now.
+
+    A second sleep (or a wake while awake) is a no-op with a warning. Requests arriving while
+    the worker is not awake get 503 with Retry-After, or wait when ``queue_while_sleeping``.
+    """
+
+    def __init__(self, role: str, queue_while_sleeping: bool = False, max_wait: float = 3600.0) -> None:
+        self.role, self.queue_while_sleeping, self.max_wait = role, queue_while_sleeping, max_wait
+        self.state = WorkerState.AWAKE
+        self._serial = threading.Lock()
+        self._changed = threading.Condition()
+
+    def is_sleeping(self) -> bool:
+        return self.state != WorkerState.AWAKE
+
+    def check_admission(self) -> None:
+        """Raise the 503 for a request that may neither run nor wait now."""
+        if self.is_sleeping() and not self.queue_while_sleeping:
+            raise asleep_error(self.role)
+
+    def wait_awake(self) -> None:
+        """Block a request until the worker is awake (or raise the 503)."""
+        self.check_admission()
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.state == WorkerState.AWAKE, self.max_wait):
+                raise asleep_error(self.role)
+
+    @contextmanager
+    def falling_asleep(self) -> Iterator[bool]:
+        """Yields False (and does nothing) unless awake; the worker is asleep once the block ends."""
+        with self._serial:
+            if self.state != WorkerState.AWAKE:
+                log.warning("%s worker: sleep requested while %s; ignored", self.role, self.state.value)
+                yield False
+                return
+            self._set(WorkerState.FALLING_ASLEEP)
+            try:
+                yield True
+            except BaseException:
+                self._set(WorkerState.AWAKE)
+                raise
+            self._set(WorkerState.ASLEEP)
+
+    @contextmanager
+    def waking(self) -> Iterator[bool]:
+        """Yields False (and does nothing) unless asleep; on error the worker stays asleep."""
+        with self._serial:
+            if self.state != WorkerState.ASLEEP:
+                log.warning("%s worker: wake-up requested while %s; ignored", self.role, self.state.value)
+                yield False
+                return
+            self._set(WorkerState.WAKING)
+            try:
+                yield True
+            except BaseException:
+                self._set(WorkerState.ASLEEP)
+                raise
+            self._set(WorkerState.AWAKE)
+
+    def start_asleep(self) -> None:
+        """A worker that boots with a checkpoint on disk waits for its wake-up."""
+        self._set(WorkerState.ASLEEP)
+
+    def _set(self, state: WorkerState) -> None:
+        with self._changed:
+            self.state = state
+            self._changed.notify_all()

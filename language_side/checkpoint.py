@@ -1,0 +1,75 @@
+"""The language worker's checkpoint on disk: its queued and half-received requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from connector import checkpoint
+from connector.bootstrap import RankRoute
+from connector.buffers import Embedding
+from connector.checkpoint import CheckpointError
+from connector.receiver import ReceiverCheckpoint
+
+ROLE = "language"
+
+
+@dataclass
+class SavedRequest:
+    """One request as it stood at sleep: queued (``transfer is None``) or mid-transfer."""
+
+    rid: str
+    bootstrap_addr: str
+    room: int
+    transfer: ReceiverCheckpoint | None
+
+
+def save(folder: str | Path, geometry: dict, requests: list[SavedRequest]) -> int:
+    entries, tensors = [], {}
+    for i, req in enumerate(requests):
+        entry = {"rid": req.rid, "bootstrap_addr": req.bootstrap_addr, "room": req.room, "transfer": None}
+        t = req.transfer
+        if t is not None:
+            entry["transfer"] = {"landed": t.landed, "total_tokens": t.total_tokens, "resume_rounds": t.resume_rounds,
+                                 "rank_ip": t.route.rank_ip, "rank_port": t.route.rank_port}
+            if t.aux is not None:
+                tensors[f"{i}.aux"] = t.aux
+            if t.landed:
+                assert t.data is not None
+                tensors[f"{i}.embeddings"] = t.data.embeddings[: t.landed]
+                tensors[f"{i}.fill_ids"] = t.data.fill_ids[: t.landed]
+                tensors[f"{i}.mrope_positions"] = t.data.mrope_positions[:, : t.landed]
+        entries.append(entry)
+    return checkpoint.save(folder, ROLE, {**geometry, "requests": entries}, tensors)
+
+
+def load(folder: str | Path, geometry: dict) -> list[SavedRequest]:
+    """Verified requests of a checkpoint, or :class:`CheckpointError` (nothing half-loaded)."""
+    meta, tensors = checkpoint.load(folder, ROLE, geometry)
+    try:
+        return [_request(i, entry, tensors, geometry) for i, entry in enumerate(meta["requests"])]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint in {folder} has a malformed request: {exc!r}") from None
+
+
+def _request(i: int, entry: dict, tensors: dict[str, np.ndarray], geometry: dict) -> SavedRequest:
+    t = entry["transfer"]
+    transfer = None
+    if t is not None:
+        landed, total = int(t["landed"]), t["total_tokens"]
+        data = None
+        if landed:
+            data = Embedding.empty(int(total), geometry["hidden_size"], geometry["dtype"])
+            for name, target in (("embeddings", data.embeddings[:landed]), ("fill_ids", data.fill_ids[:landed]),
+                                 ("mrope_positions", data.mrope_positions[:, :landed])):
+                array = tensors[f"{i}.{name}"]
+                if array.shape != target.shape or array.dtype != target.dtype:
+                    raise ValueError(f"tensor {i}.{name} is {array.shape} {array.dtype}, expected {target.shape}")
+                target[...] = array
+        aux = tensors.get(f"{i}.aux")
+        transfer = ReceiverCheckpoint(int(entry["room"]), str(entry["bootstrap_addr"]),
+                                      RankRoute(str(t["rank_ip"]), int(t["rank_port"])), landed,
+                                      None if total is None else int(total), aux, int(t["resume_rounds"]), data)
+    return SavedRequest(str(entry["rid"]), str(entry["bootstrap_addr"]), int(entry["room"]), transfer)

@@ -1,0 +1,264 @@
+"""Sleep and wake of real worker processes while real transfers run."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from test_workers import Pair, assert_pools_free, images  # noqa: F401  (fixture)
+from transfer_large_image import make_image, run_request
+from workers import WorkerProcess
+
+QUEUE = ("--queue-while-sleeping",)
+
+
+def sleep_(worker, level=1, preserve=True, timeout=120) -> dict:
+    resp = requests.post(f"{worker.url}/sleep", params={"level": level, "preserve_state": str(preserve).lower()},
+                         timeout=timeout)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def wake(worker, timeout=120, **params) -> requests.Response:
+    return requests.post(f"{worker.url}/wake_up", params=params, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    p = Pair(*QUEUE, language_args=("--embedding-cache-buffer-size", "96", "--embedding-default-allocate-buffer-size",
+                                     "4096"))
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(pair, images) -> dict[str, str]:  # noqa: F811
+    """Digests of an uninterrupted run."""
+    out = {}
+    for name in ("4k", "2k", "small"):
+        res = pair.request([images[name]])
+        assert res["match"]
+        out[name] = res["sha256"]
+    return out
+
+
+def request_async(pair, pool, paths, rid=None):
+    return pool.submit(pair.request, paths, rid)
+
+
+@pytest.mark.parametrize("side", ["language", "encode"])
+@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("moment", [0.0, 0.4, 1.2, 2.5])  # before init/encode, while encoding, mid-transfer, later
+def test_preserved_requests_finish_bit_identical_after_wake(pair, images, reference, side, level, moment) -> None:  # noqa: F811
+    worker = pair.language if side == "language" else pair.encode
+    with ThreadPoolExecutor(3) as pool:
+        if moment == 0.0:
+            sleep_(worker, level, True)
+        running = [request_async(pair, pool, [images["4k"]]), request_async(pair, pool, [images["2k"]])]
+        if moment:
+            time.sleep(moment)
+            sleep_(worker, level, True)
+        time.sleep(0.5)
+        assert requests.get(f"{worker.url}/is_sleeping", timeout=10).json() == {"is_sleeping": True}
+        assert wake(worker).status_code == 200
+        results = [f.result() for f in running]
+    assert [r["sha256"] for r in results] == [reference["4k"], reference["2k"]], results
+    assert all(r["match"] for r in results)
+    assert_pools_free(pair)
+
+
+@pytest.mark.parametrize("side", ["language", "encode"])
+def test_without_preserve_state_requests_fail_clearly_and_blocks_come_back(pair, images, side) -> None:  # noqa: F811
+    worker = pair.language if side == "language" else pair.encode
+    room = next(pair.rooms)
+    body = {"rid": f"np-{side}", "bootstrap_host": "127.0.0.1", "bootstrap_port": pair.encode.bootstrap_port,
+            "bootstrap_room": room}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(requests.post, f"{pair.language.url}/generate", json=body, timeout=60)
+        time.sleep(1.0)  # the init is out: the room is open on both sides
+        sleep_(worker, 2, False)
+        resp = pending.result()
+    assert resp.status_code == (503 if side == "language" else 502)
+    assert "went to sleep (preserve_state=false)" in resp.json()["error"]
+    assert wake(worker).status_code == 200
+    enc = requests.post(f"{pair.encode.url}/encode", json={"rid": body["rid"], "bootstrap_room": room,
+                                                          "images": [images["small"]]}, timeout=60)
+    assert enc.status_code == 200  # encoded, but the room is gone: its blocks are freed at once
+    assert_pools_free(pair)
+
+
+def test_requests_arriving_while_asleep_get_503_with_retry_after(images) -> None:  # noqa: F811
+    pair = Pair()
+    try:
+        sleep_(pair.language)
+        resp = requests.post(f"{pair.language.url}/generate", timeout=10, json={
+            "rid": "late", "bootstrap_host": "127.0.0.1", "bootstrap_port": pair.encode.bootstrap_port,
+            "bootstrap_room": 5})
+        assert resp.status_code == 503 and resp.headers["Retry-After"] == "5"
+        assert "asleep" in resp.json()["error"]
+        sleep_(pair.encode)
+        resp = requests.post(f"{pair.encode.url}/encode", json={"rid": "late", "bootstrap_room": 5,
+                                                               "images": [images["small"]]}, timeout=10)
+        assert resp.status_code == 503 and resp.headers["Retry-After"] == "5"
+        assert wake(pair.language).status_code == 200 and wake(pair.encode).status_code == 200
+        assert pair.request([images["small"]])["match"]
+    finally:
+        pair.stop()
+
+
+def test_queue_while_sleeping_holds_requests_until_wake(pair, images, reference) -> None:  # noqa: F811
+    sleep_(pair.language)
+    sleep_(pair.encode)
+    with ThreadPoolExecutor(1) as pool:
+        pending = request_async(pair, pool, [images["small"]])
+        time.sleep(1.0)
+        assert not pending.done()
+        wake(pair.encode)
+        wake(pair.language)
+        assert pending.result()["sha256"] == reference["small"]
+
+
+def test_sleep_and_wake_are_serialised_and_repeats_are_no_ops(pair) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        sleeps = list(pool.map(lambda _: sleep_(pair.language), range(4)))
+        assert sum(s["changed"] for s in sleeps) == 1
+        wakes = list(pool.map(lambda _: wake(pair.language).json(), range(4)))
+        assert sum(w["changed"] for w in wakes) == 1
+    assert requests.get(f"{pair.language.url}/is_sleeping", timeout=10).json() == {"is_sleeping": False}
+    assert wake(pair.language).json() == {"changed": False, "is_sleeping": False}
+    text = requests.get(f"{pair.language.url}/metrics", timeout=10).text
+    assert re.search(r'epd_wakes_total\{role="language"\} [1-9]', text)
+    assert re.search(r'epd_sleeps_total\{level="1",preserve_state="true",role="language"\} [1-9]', text)
+
+
+def test_bad_sleep_parameters_are_refused(pair) -> None:
+    resp = requests.post(f"{pair.language.url}/sleep", params={"level": 3}, timeout=10)
+    assert resp.status_code == 400 and "level must be 1 or 2" in resp.json()["error"]
+    resp = requests.post(f"{pair.encode.url}/sleep", params={"preserve_state": "maybe"}, timeout=10)
+    assert resp.status_code == 400 and "preserve_state must be true or false" in resp.json()["error"]
+    assert requests.get(f"{pair.encode.url}/is_sleeping", timeout=10).json() == {"is_sleeping": False}
+
+
+def test_restart_from_checkpoint_dir_continues_the_transfers(images, reference, tmp_path: Path) -> None:  # noqa: F811
+    ckpt = str(tmp_path / "ckpt")
+    encode = WorkerProcess("encode", *QUEUE)
+    language = WorkerProcess("language", "--checkpoint-dir", ckpt)
+    try:
+        body = {"rid": "keep", "bootstrap_host": "127.0.0.1", "bootstrap_port": encode.bootstrap_port,
+                "bootstrap_room": 9090}
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(requests.post, f"{language.url}/generate", json=body, timeout=60)
+            time.sleep(1.0)  # inited, nothing sent yet
+            kept = sleep_(language)
+            assert kept["kept_requests"] == 1 and kept["kept_bytes"] > 0
+            os.kill(language.proc.pid, signal.SIGKILL)  # its client's connection drops with it
+            language.proc.wait()
+        assert {p.name for p in Path(ckpt).iterdir()} == {"language.json", "language.safetensors", "language.sha256"}
+        language = WorkerProcess("language", "--checkpoint-dir", ckpt)
+        assert "asleep: a checkpoint waits" in language.log[-1]
+        assert requests.get(f"{language.url}/is_sleeping", timeout=10).json() == {"is_sleeping": True}
+        woke = wake(language).json()
+        assert woke["restored_requests"] == 1
+        with ThreadPoolExecutor(1) as pool:
+            attached = pool.submit(requests.post, f"{language.url}/generate", json=body, timeout=120)
+            enc = requests.post(f"{encode.url}/encode", json={"rid": "keep", "bootstrap_room": 9090,
+                                                              "images": [images["4k"]]}, timeout=120)
+            result = attached.result().json()
+        assert enc.json()["sha256"] == result["sha256"] == reference["4k"]
+        assert not any(Path(ckpt).iterdir())  # consumed
+    finally:
+        language.stop()
+        encode.stop()
+
+
+def test_corrupt_truncated_or_mismatched_checkpoints_are_refused_whole(images, tmp_path: Path) -> None:  # noqa: F811
+    ckpt = tmp_path / "ckpt"
+    encode = WorkerProcess("encode", *QUEUE)
+    language = WorkerProcess("language", "--checkpoint-dir", str(ckpt))
+    body = {"rid": "c", "bootstrap_host": "127.0.0.1", "bootstrap_port": encode.bootstrap_port, "bootstrap_room": 31}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(requests.post, f"{language.url}/generate", json=body, timeout=60)
+            time.sleep(1.0)
+            sleep_(language)
+            language.stop()
+        good = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+        cases = [
+            ("language.safetensors", lambda b: b[:-1] + bytes([b[-1] ^ 1]), (), "corrupt or truncated"),
+            ("language.json", lambda b: b[: len(b) // 2], (), "corrupt or truncated"),
+            ("language.sha256", None, (), "language.sha256 is missing"),
+            (None, None, ("--hidden-size", "1024"), "hidden_size=3584; this worker has hidden_size=1024"),
+        ]
+        for name, damage, args, words in cases:
+            for fname, data in good.items():
+                (ckpt / fname).write_bytes(data)
+            if name and damage:
+                (ckpt / name).write_bytes(damage(good[name]))
+            elif name:
+                (ckpt / name).unlink()
+            language = WorkerProcess("language", "--checkpoint-dir", str(ckpt), *args)
+            resp = wake(language)
+            assert resp.status_code == 422 and words in resp.json()["error"], resp.text
+            health = requests.get(f"{language.url}/health", timeout=10).json()
+            assert health["state"] == "asleep" and health["transferring"] == 0 and health["queued"] == 0
+            language.stop()
+        language = WorkerProcess("language", "--checkpoint-dir", str(ckpt))
+        assert wake(language, discard_checkpoint="true").json()["restored_requests"] == 0
+        assert not any(ckpt.iterdir())
+    finally:
+        language.stop()
+        encode.stop()
+
+
+def test_soak_50_sleep_wake_cycles_while_16_requests_flow(tmp_path: Path) -> None:
+    paths = []
+    for i, (w, h) in enumerate([(448, 448), (1024, 768), (2048, 2048), (3840, 2160)] * 4):
+        paths.append(str(tmp_path / f"{i}.png"))
+        make_image(w, h, seed=i).save(paths[-1])
+    pair = Pair(*QUEUE, "--encoder", "fake", language_args=("--embedding-cache-buffer-size", "120",
+                                                             "--embedding-default-allocate-buffer-size", "2048"))
+    rng = random.Random(50)
+    stop, errors, done = threading.Event(), [], []
+    rooms = iter(range(10**6, 10**7))
+    lock = threading.Lock()
+
+    def flow(path: str) -> None:
+        while not stop.is_set():
+            with lock:
+                room = next(rooms)
+            res = run_request(pair.encode.url, pair.language.url, pair.encode.bootstrap_port, f"s{room}", room,
+                              [path], 300)
+            (done if res["match"] else errors).append(res)
+
+    start = time.monotonic()
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            flows = [pool.submit(flow, p) for p in paths]
+            for cycle in range(50):
+                worker = rng.choice([pair.encode, pair.language])
+                time.sleep(rng.uniform(0.0, 0.4))
+                sleep_(worker, rng.choice([1, 2]), True)
+                time.sleep(rng.uniform(0.0, 0.2))
+                assert wake(worker).status_code == 200
+            stop.set()
+            for f in flows:
+                f.result()
+        wall = time.monotonic() - start
+        print(f"\nsoak: 50 sleep/wake cycles, {len(done)} requests matched, {len(errors)} failed, {wall:.1f}s")
+        assert not errors, errors[:3]
+        assert len(done) >= 16
+        resumed = sum(r["resume_rounds"] for r in done)
+        assert resumed > len(done) // 4  # several needed 2+ rounds
+        assert_pools_free(pair)
+    finally:
+        stop.set()
+        pair.stop()
