@@ -479,16 +479,16 @@ class EmbeddingSenderManager:
 
     def _finish_round(self, r: _Room, start: int, dsts: list[_Destination]) -> None:
         sent = start + min(r.total_tokens - start, min(d.allocated_tokens for d in dsts))
-        if sent >= r.total_tokens:
-            r.state.advance(KVPoll.Success, sent)
-            self._conclude(r)
-            status = KVPoll.Success
-        else:
-            r.state.advance(KVPoll.Transferring, sent)
-            r.deadline = time.monotonic() + self.config.resume_timeout
-            status = KVPoll.Transferring
+        status = KVPoll.Success if sent >= r.total_tokens else KVPoll.Transferring
+        r.state.advance(status, sent)
+        # The status goes out before any ack _conclude sends: a peer that sees the ack must
+        # already know how the round ended.
         for d in dsts:
             self._status(d.endpoint, d.port, StatusMsg(r.room, status, sent))
+        if status == KVPoll.Success:
+            self._conclude(r)
+        else:
+            r.deadline = time.monotonic() + self.config.resume_timeout
 
     # ---- timeouts --------------------------------------------------------------------------
 

@@ -101,7 +101,7 @@ def main() -> int:
             started.append(enc)
             lang = WorkerProcess("language", *args.worker_arg)
             started.append(lang)
-            print("".join(enc.log[-1:] + lang.log[-1:]), end="", file=sys.stderr, flush=True)
+            print(enc.ready_line + lang.ready_line, end="", file=sys.stderr, flush=True)
             encode_url, language_url, bootstrap_port = enc.url, lang.url, enc.bootstrap_port
         jobs = requests_set * args.repeat
         results = []

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import selectors
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,26 +30,25 @@ class WorkerProcess:
                 "--port", str(self.port), *extra]
         if self.bootstrap_port:
             args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # A file, not a pipe: nobody has to keep reading it for the worker to keep running.
+        self.log_file = tempfile.NamedTemporaryFile("w+", prefix=f"{mode}-worker-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log_file, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "MC_LOG_LEVEL": "ERROR", **(env or {})})
-        self.log: list[str] = []
         self._wait_ready(timeout)
         self.url = f"http://127.0.0.1:{self.port}"
 
+    @property
+    def log(self) -> list[str]:
+        return Path(self.log_file.name).read_text(errors="replace").splitlines(keepends=True)
+
     def _wait_ready(self, timeout: float) -> None:
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if sel.select(0.5):
-                line = self.proc.stdout.readline()
-                if not line and self.proc.poll() is not None:
-                    break
-                self.log.append(line)
-                if line.startswith("READY "):
-                    os.set_blocking(self.proc.stdout.fileno(), False)
-                    return
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            ready = [line for line in self.log if line.startswith("READY ")]
+            if ready:
+                self.ready_line = ready[-1]
+                return
+            time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"{self.mode} worker did not start:\n" + "".join(self.log[-30:]))
 

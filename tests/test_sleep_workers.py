@@ -164,7 +164,7 @@ def test_restart_from_checkpoint_dir_continues_the_transfers(images, reference, 
             language.proc.wait()
         assert {p.name for p in Path(ckpt).iterdir()} == {"language.json", "language.safetensors", "language.sha256"}
         language = WorkerProcess("language", "--checkpoint-dir", ckpt)
-        assert "asleep: a checkpoint waits" in language.log[-1]
+        assert "asleep: a checkpoint waits" in language.ready_line
         assert requests.get(f"{language.url}/is_sleeping", timeout=10).json() == {"is_sleeping": True}
         woke = wake(language).json()
         assert woke["restored_requests"] == 1
