@@ -20,7 +20,9 @@ positions of such a block are laid out ``[3, n]``. ``aux[0]`` is the request's t
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,7 +80,9 @@ class Embedding:
 class BufferPool:
     """The four block buffers of one worker; see the module docstring for the layout."""
 
-    def __init__(self, num_blocks: int, block_size: int, hidden_size: int, dtype: str = "bfloat16") -> None:
+    def __init__(self, num_blocks: int, block_size: int, hidden_size: int, dtype: str = "bfloat16",
+                 prefault: bool = True) -> None:
+        """``prefault=False`` returns at once; call :meth:`prefault_in_background` then (wake-up)."""
         if dtype not in DTYPE_SIZES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
         if min(num_blocks, block_size, hidden_size) <= 0:
@@ -89,8 +93,16 @@ class BufferPool:
         self.fill_ids = np.empty((num_blocks, block_size), np.int32)
         self.mrope = np.empty((num_blocks, 3 * block_size), np.int32)
         self.aux = np.empty((num_blocks, AUX_INTS), np.int32)
-        for buf in self.buffers:  # fault every page in now, not during the first transfers
+        for buf in self.buffers[1:]:  # small: zero them
             buf.fill(0)
+        if prefault:  # fault every page in now, not during the first transfers
+            if not _populate(self.embeddings):
+                self.embeddings.fill(0)
+
+    def prefault_in_background(self) -> None:
+        """Fault the embedding pages in on a thread, leaving their contents alone, so a wake-up
+        does not wait for the kernel to hand over the whole pool (transfers may already run)."""
+        threading.Thread(target=_populate, args=(self.embeddings,), name="pool-prefault", daemon=True).start()
 
     @property
     def buffers(self) -> tuple[np.ndarray, ...]:
@@ -193,3 +205,14 @@ def _runs(block_ids: list[int], num_tokens: int, block_size: int) -> list[tuple[
     ends = np.concatenate((starts[1:], [len(ids)]))
     return [(int(ids[s]), int(s) * block_size, min(int(e) * block_size, num_tokens) - int(s) * block_size)
             for s, e in zip(starts, ends, strict=True)]
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without touching their contents
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _populate(buf: np.ndarray) -> bool:
+    """Fault every page of ``buf`` in; False where the kernel cannot (the caller may fill instead)."""
+    start = buf.ctypes.data & ~4095
+    length = buf.ctypes.data + buf.nbytes - start
+    return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0

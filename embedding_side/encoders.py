@@ -172,6 +172,22 @@ class QwenVisionEncoder:
                              self.hidden_size)
 
 
+def write_builtin_checkpoint(folder: str | Path, seed: int = 0) -> Path:
+    """Save the seeded small tower as a Qwen2.5-VL-style checkpoint folder (config.json +
+    model.safetensors), for ``--model-path`` where a real checkpoint cannot be had."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = QwenVisionEncoder(seed=seed).model
+    save_file({f"visual.{k}": v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+    vision = small_tower_config()
+    config = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+              "hidden_size": vision.pop("out_hidden_size"), "vision_config": vision}
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
 def _load_checkpoint(path: Path) -> tuple[dict, dict]:
     """The vision config and the vision tower's tensors of a Qwen2.5-VL checkpoint folder."""
     from safetensors.torch import load_file

@@ -169,9 +169,10 @@ class EncodeWorker:
                 return {"changed": False, "is_sleeping": self.gate.is_sleeping()}
             self.encoder.reload()
             self.pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
-                                   self.config.dtype)
+                                   self.config.dtype, prefault=False)
             self.allocator = BlockAllocator(self.config.num_blocks)
             self.sender.attach_pool(self.pool, self.allocator)
+            self.pool.prefault_in_background()
             rooms = self.sender.active_rooms()
         seconds = time.monotonic() - start
         self.metrics.woke(seconds, rooms)

@@ -197,9 +197,10 @@ class LanguageWorker:
                     raise HTTPError(422, f"{exc}; fix or remove it, or wake with discard_checkpoint=true") from None
                 saved = [_Request(s.rid, s.bootstrap_addr, s.room, saved=s, restored_from_disk=True) for s in loaded]
             self.pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
-                                   self.config.dtype)
+                                   self.config.dtype, prefault=False)
             self.allocator = BlockAllocator(self.config.num_blocks)
             self.receivers.attach_pool(self.pool, self.allocator)
+            self.pool.prefault_in_background()
             self._restore(saved or [])
             if self.checkpoint_dir:
                 checkpoint_files.remove(self.checkpoint_dir, checkpoint.ROLE)

@@ -13,6 +13,10 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints-cpu.txt \
     -e ".[mooncake,encoder,dev]"
-.venv/bin/python -c "import mooncake.engine, torch, transformers, connector" \
+# SGLang for the plugin: its wheel without dependencies, then the short list it needs here.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "$(grep '^sglang==' requirements-sglang-cpu.txt)"
+grep -v '^sglang==' requirements-sglang-cpu.txt | .venv/bin/python -m pip install -q --disable-pip-version-check \
+    -c constraints-cpu.txt -r /dev/stdin
+.venv/bin/python -c "import mooncake.engine, torch, transformers, connector, sglang.srt.plugins" \
     || { echo "setup failed: the environment does not import" >&2; exit 1; }
 echo "setup done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

@@ -22,11 +22,12 @@ def free_port() -> int:
 class WorkerProcess:
     """One worker process; ``url`` is its HTTP address once ``READY`` was printed."""
 
-    def __init__(self, mode: str, *extra: str, launcher: tuple[str, ...] = ("-m", "sglang_ext.launch_server"),
+    def __init__(self, mode: str, *extra: str, command: tuple[str, ...] = (sys.executable, "-m", "sglang_ext.launch_server"),
                  timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+        """``command`` is what starts a worker: ours by default, or SGLang's launchers."""
         self.mode, self.port = mode, free_port()
         self.bootstrap_port = free_port() if mode == "encode" else None
-        args = [sys.executable, *launcher, "--disaggregation-mode", mode, "--host", "127.0.0.1",
+        args = [*command, "--disaggregation-mode", mode, "--host", "127.0.0.1",
                 "--port", str(self.port), *extra]
         if self.bootstrap_port:
             args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]

@@ -26,6 +26,13 @@ class Pair:
         self.language = WorkerProcess("language", *args, *language_args)
         self.rooms = iter(range(1000, 10**6))
 
+    @classmethod
+    def of(cls, encode: WorkerProcess, language: WorkerProcess) -> "Pair":
+        """A pair around workers started some other way (e.g. by SGLang's launcher)."""
+        pair = cls.__new__(cls)
+        pair.encode, pair.language, pair.rooms = encode, language, iter(range(1000, 10**6))
+        return pair
+
     def request(self, images: list[str], rid: str | None = None, timeout: float = 120) -> dict:
         room = next(self.rooms)
         return run_request(self.encode.url, self.language.url, self.encode.bootstrap_port, rid or f"rid-{room}",

@@ -1,0 +1,103 @@
+"""SGLang plugin (entry point group ``sglang.srt.plugins``): ``--disaggregation-mode encode|language``.
+
+Two hooks on public-facing SGLang functions, nothing else:
+
+* after ``ServerArgs.add_cli_args(parser)``: add ``encode`` and ``language`` to the
+  ``--disaggregation-mode`` choices and our own flags (pool size, timeouts, ...);
+* around ``prepare_server_args(argv)``: when the parsed mode is one of ours, map the flags
+  SGLang parsed onto a worker configuration and run our worker instead of SGLang's server;
+  every other mode gets SGLang's own result untouched.
+
+SGLang runs plugins in every process it starts (schedulers, detokenizers); there this costs a
+version check and two registrations, and imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from importlib import metadata
+
+SUPPORTED = ">=0.5.21,<0.6"
+_MIN, _BELOW = (0, 5, 21), (0, 6)
+OUR_MODES = ("encode", "language")
+HOOK_TARGETS = ("sglang.srt.server_args.ServerArgs.add_cli_args", "sglang.srt.server_args.prepare_server_args")
+# SGLang transfer backends and the Mooncake protocol each maps to (None: from --mooncake-protocol)
+BACKENDS = {"mooncake": None, "mooncake_tcp": "tcp"}
+
+log = logging.getLogger(__name__)
+
+
+def supported_version(version: str) -> bool:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return _MIN <= tuple(parts) < _BELOW
+
+
+def register() -> None:
+    """Entry point SGLang calls once per process."""
+    version = metadata.version("sglang")
+    if not supported_version(version):
+        _unsupported(f"SGLang {version} is installed; epd-resume supports sglang{SUPPORTED}")
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(HOOK_TARGETS[0], _after_add_cli_args, HookType.AFTER)
+    HookRegistry.register(HOOK_TARGETS[1], _around_prepare_server_args, HookType.AROUND)
+
+
+def _unsupported(message: str) -> None:
+    """One clear error instead of a traceback from inside SGLang; fatal only if our mode was asked for."""
+    wanted = any(a in OUR_MODES for a in sys.argv) or any(a.endswith(("=encode", "=language")) for a in sys.argv)
+    if wanted:
+        raise SystemExit(f"error: --disaggregation-mode encode|language unavailable: {message}")
+    log.error("epd-resume plugin inactive: %s", message)
+
+
+def _after_add_cli_args(_result, parser: argparse.ArgumentParser, *args, **kwargs) -> None:
+    from sglang_ext.args import add_worker_args
+
+    for action in parser._actions:
+        if action.dest == "disaggregation_mode" and action.choices is not None:
+            action.choices = list(action.choices) + [m for m in OUR_MODES if m not in action.choices]
+            action.help = (action.help or "") + (" 'encode' / 'language': encoder/language disaggregation with "
+                                                 "resumable embedding transfers (epd-resume)")
+    if not any(a.dest == "embedding_cache_buffer_size" for a in parser._actions):
+        add_worker_args(parser, with_shared=False)
+
+
+def _around_prepare_server_args(original, argv, *args, **kwargs):
+    server_args = original(argv, *args, **kwargs)
+    if server_args.disaggregation_mode not in OUR_MODES:
+        return server_args
+    from sglang_ext.launch_server import run
+
+    run(worker_args(server_args, argv))
+    sys.exit(0)
+
+
+def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
+    """Our worker's flags: SGLang's parsed values for shared things, ours parsed from ``argv``."""
+    from sglang_ext.args import add_worker_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_worker_args(parser, with_shared=False)
+    ours, _ = parser.parse_known_args(argv)
+    backend = server_args.disaggregation_transfer_backend
+    if backend not in BACKENDS:
+        raise SystemExit(f"error: --disaggregation-transfer-backend {backend} is not supported in "
+                         f"--disaggregation-mode {server_args.disaggregation_mode}; use one of {sorted(BACKENDS)}")
+    ours.mooncake_protocol = BACKENDS[backend] or ours.mooncake_protocol
+    ours.disaggregation_mode = server_args.disaggregation_mode
+    ours.host, ours.port = server_args.host, server_args.port
+    ours.model_path = server_args.model_path
+    ours.disaggregation_bootstrap_port = server_args.disaggregation_bootstrap_port
+    ours.disaggregation_ib_device = server_args.disaggregation_ib_device or ""
+    ours.tp_size = server_args.tp_size
+    ours.log_level = server_args.log_level
+    return ours

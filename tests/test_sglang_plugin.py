@@ -1,0 +1,134 @@
+"""The SGLang plugin, against the real SGLang installed in this environment."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from embedding_side.encoders import write_builtin_checkpoint
+from test_workers import Pair, assert_pools_free, images  # noqa: F401  (fixture)
+from transfer_large_image import run_request
+from workers import WorkerProcess
+
+SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
+SGLANG_SERVE = (str(Path(sys.executable).parent / "sglang"), "serve")
+
+# Loads the plugins as SGLang's launcher does, then parses argv with SGLang's own
+# prepare_server_args; our worker is replaced by a print of the configuration it would get.
+PARSE = """
+import json, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+import sglang_ext.launch_server as launcher
+launcher.run = lambda args: print("WORKER " + json.dumps(vars(args), sort_keys=True))
+from sglang.srt.server_args import prepare_server_args
+server_args = prepare_server_args(sys.argv[1:])
+print("SGLANG " + json.dumps({k: repr(v) for k, v in sorted(vars(server_args).items()) if not k.startswith("_")}))
+"""
+
+
+def parse(*argv: str, plugins: str | None = None) -> subprocess.CompletedProcess:
+    env = None if plugins is None else {**__import__("os").environ, "SGLANG_PLUGINS": plugins}
+    return subprocess.run([sys.executable, "-c", PARSE, *argv], capture_output=True, text=True, env=env, timeout=120)
+
+
+def line(out: str, tag: str) -> dict:
+    return json.loads(next(x for x in out.splitlines() if x.startswith(tag + " "))[len(tag) + 1:])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return str(write_builtin_checkpoint(tmp_path_factory.mktemp("qwen-vision")))
+
+
+def test_help_lists_our_modes_and_flags() -> None:
+    out = subprocess.run([*SGLANG_LAUNCH, "--help"], capture_output=True, text=True, timeout=120).stdout
+    assert "--disaggregation-mode {null,prefill,decode,encode,language}" in out
+    for flag in ("--embedding-cache-buffer-size", "--multimodal-block-size", "--checkpoint-dir",
+                 "--queue-while-sleeping", "--resume-timeout"):
+        assert flag in out
+
+
+@pytest.mark.parametrize("mode", ["encode", "language"])
+def test_our_modes_dispatch_with_the_flags_sglang_parsed(mode: str) -> None:
+    res = parse("--model-path", "/models/qwen", "--disaggregation-mode", mode, "--host", "127.0.0.2", "--port", "31234",
+                "--disaggregation-bootstrap-port", "31235", "--disaggregation-transfer-backend", "mooncake_tcp",
+                "--disaggregation-ib-device", "mlx5_0", "--tp-size", "1", "--log-level", "warning",
+                "--embedding-cache-buffer-size", "40", "--resume-timeout", "7")
+    assert res.returncode == 0, res.stderr[-2000:]
+    args = line(res.stdout, "WORKER")
+    assert "SGLANG " not in res.stdout  # SGLang's own server never started
+    assert {k: args[k] for k in (
+        "disaggregation_mode", "model_path", "host", "port", "disaggregation_bootstrap_port",
+        "disaggregation_ib_device", "tp_size", "log_level", "mooncake_protocol", "embedding_cache_buffer_size",
+        "resume_timeout")} == {
+        "disaggregation_mode": mode, "model_path": "/models/qwen", "host": "127.0.0.2", "port": 31234,
+        "disaggregation_bootstrap_port": 31235, "disaggregation_ib_device": "mlx5_0", "tp_size": 1,
+        "log_level": "warning", "mooncake_protocol": "tcp", "embedding_cache_buffer_size": 40, "resume_timeout": 7.0}
+
+
+def test_unsupported_backend_in_our_modes_is_a_clear_error() -> None:
+    res = parse("--model-path", "/m", "--disaggregation-mode", "encode", "--disaggregation-transfer-backend", "nixl")
+    assert res.returncode == 1
+    assert "--disaggregation-transfer-backend nixl is not supported" in res.stderr
+
+
+@pytest.mark.parametrize("mode", ["null", "prefill", "decode"])
+def test_sglang_modes_parse_exactly_as_without_the_plugin(mode: str) -> None:
+    argv = ("--model-path", "/models/llm", "--disaggregation-mode", mode, "--port", "30001")
+    with_plugin, without = parse(*argv), parse(*argv, plugins="none-at-all")
+    assert with_plugin.returncode == without.returncode == 0, with_plugin.stderr[-2000:]
+    assert line(with_plugin.stdout, "SGLANG") == line(without.stdout, "SGLANG")
+    assert "WORKER " not in with_plugin.stdout
+
+
+def test_an_invalid_mode_is_still_rejected_by_sglang() -> None:
+    res = parse("--model-path", "/m", "--disaggregation-mode", "bogus")
+    assert res.returncode == 2
+    assert "invalid choice: 'bogus'" in res.stderr and "'encode'" in res.stderr
+
+
+def test_unsupported_sglang_version_gives_one_clear_error(monkeypatch) -> None:
+    import sglang_ext.plugin as plugin
+
+    monkeypatch.setattr(plugin.metadata, "version", lambda _name: "0.5.9")
+    monkeypatch.setattr(sys, "argv", ["x", "--disaggregation-mode", "encode"])
+    with pytest.raises(SystemExit, match=r"SGLang 0.5.9 is installed; epd-resume supports sglang>=0.5.21,<0.6"):
+        plugin.register()
+    monkeypatch.setattr(sys, "argv", ["x", "--disaggregation-mode", "prefill"])
+    plugin.register()  # other modes: a logged error, SGLang goes on without our hooks
+    assert plugin.supported_version("0.5.23") and plugin.supported_version("0.5.21.post1")
+    assert not plugin.supported_version("0.6.0") and not plugin.supported_version("0.5.20")
+
+
+def test_the_plugin_costs_nothing_in_other_sglang_processes() -> None:
+    code = ("import sys, time, sglang.srt.server_args\n"
+            "before = set(sys.modules)\n"
+            "t = time.perf_counter()\n"
+            "from sglang_ext.plugin import register\n"
+            "register()\n"
+            "print(round((time.perf_counter() - t) * 1000, 2), sorted(set(sys.modules) - before))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.split(" ", 1)
+    millis, new_modules = float(out[0]), out[1]
+    assert millis < 50, f"register() took {millis} ms"
+    assert not re.search(r"'(connector|embedding_side|language_side|torch|transformers|sglang_ext\.args)\b", new_modules)
+
+
+@pytest.mark.parametrize("command", [SGLANG_LAUNCH, SGLANG_SERVE], ids=["launch_server", "sglang_serve"])
+def test_4k_image_through_workers_started_by_sglang(command, checkpoint, images) -> None:  # noqa: F811
+    encode = WorkerProcess("encode", "--model-path", checkpoint, command=command)
+    language = WorkerProcess("language", "--model-path", checkpoint, command=command)
+    try:
+        start = time.monotonic()
+        res = run_request(encode.url, language.url, encode.bootstrap_port, "sg-4k", 77, [images["4k"]], 120)
+        assert res["match"] and res["tokens"] == 10_549 and res["resume_rounds"] >= 1, res
+        assert time.monotonic() - start < 60
+        assert_pools_free(Pair.of(encode, language))
+    finally:
+        assert language.stop() == 0 and encode.stop() == 0
