@@ -14,7 +14,11 @@ Language -> encoder (the encoder's PULL socket):
 
 Encoder -> language (the language side's PULL socket):
 
-* status ``[room, status]`` plus our optional ``sent_tokens`` (after the round) and ``reason``;
+* status ``[room, status]`` plus our optional ``sent_tokens`` (after the round), ``reason`` and
+  ``total_tokens``. With ``total_tokens`` (status ``WaitingForInput``, sent only to peers
+  whose register carried our extension frames) the encoder announces, as a first round that
+  cannot hold everything starts, how many tokens there are: the language side may then send
+  its resume early, and the encoder starts the next round as soon as the current one ends;
 * abort ack ``[b"ABORT_ACK", room, generation]`` and suspend ack ``[b"SUSPEND_ACK", room, generation]``,
   each sent once nothing of that room is in flight.
 
@@ -128,13 +132,16 @@ class StatusMsg:
     status: KVPoll
     sent_tokens: int | None = None
     reason: str = ""
+    total_tokens: int | None = None
 
     def encode(self) -> list[bytes]:
         frames = [str(self.room).encode(), str(int(self.status)).encode()]
         if self.sent_tokens is not None:
             frames.append(str(self.sent_tokens).encode())
-            if self.reason:
+            if self.reason or self.total_tokens is not None:
                 frames.append(self.reason.encode("utf-8", "replace")[:4096])
+            if self.total_tokens is not None:
+                frames.append(str(self.total_tokens).encode())
         return frames
 
 
@@ -208,13 +215,14 @@ def decode_language_bound(frames: list[bytes]) -> LanguageBound:
         if n != 3:
             raise ProtocolError(f"{frames[0].decode().lower()} needs 3 frames, got {n}")
         return _ACKS[frames[0]](_int(frames[1], "room", 0, MAX_ROOM), _int(frames[2], "generation", 0, MAX_ROOM))
-    if n not in (2, 3, 4):
-        raise ProtocolError(f"status needs 2 to 4 frames, got {n}")
+    if n not in (2, 3, 4, 5):
+        raise ProtocolError(f"status needs 2 to 5 frames, got {n}")
     room = _int(frames[0], "room", 0, MAX_ROOM)
     status = KVPoll(_int(frames[1], "status", 0, max(KVPoll)))
     sent = _int(frames[2], "sent_tokens", 0, MAX_TOKENS) if n >= 3 else None
-    reason = frames[3].decode("utf-8", "replace")[:4096] if n == 4 else ""
-    return StatusMsg(room, status, sent, reason)
+    reason = frames[3].decode("utf-8", "replace")[:4096] if n >= 4 else ""
+    total = _int(frames[4], "total_tokens", 1, MAX_TOKENS) if n == 5 else None
+    return StatusMsg(room, status, sent, reason, total)
 
 
 def check_blocks(block_ids: tuple[int, ...], allocated_tokens: int, block_size: int,

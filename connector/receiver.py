@@ -84,6 +84,11 @@ class EmbeddingReceiver:
         self._awaiting_ack_since: float | None = None
         self._suspend_acked = False  # the encoder confirmed: nothing of this room is or will be in flight
         self._needs_resume = False  # restored after sleep: continue with a resume, not an init
+        # The reference fork's strategy, kept only to measure against (scripts/bench_resume.py):
+        # copy every partial round out of the pool and concatenate all copies at the end.
+        self.clone_concat = False
+        self._clones: list[Embedding] = []
+        self._early_ok = False  # the total is known while the first round is written: resume now
         self._last_progress = time.monotonic()
         self.peer_name = f"encode peer {bootstrap_addr} (rank {route.rank_ip}:{route.rank_port})"
 
@@ -121,15 +126,19 @@ class EmbeddingReceiver:
         """
         with self._m._lock:
             restored = self._needs_resume and self.state.status == KVPoll.Bootstrapping
-            if self.state.status != KVPoll.Transferring and not restored:
+            early = self._early_ok and self.state.status == KVPoll.WaitingForInput
+            self._early_ok = False
+            if self.state.status != KVPoll.Transferring and not restored and not early:
                 return False
             m, bs = self._m, self._m.config.block_size
             if self.total_tokens is None:  # restored before anything landed: start over from 0
                 need = m.config.default_allocate_blocks
             else:
                 need = -(-self.remaining_tokens() // bs)
+            if self.clone_concat and self._rounds:
+                self._clones.append(self._clone_rounds_locked())
             free = m.allocator.free_blocks
-            if free == 0 and self._rounds:
+            if free == 0 and self._rounds and not early:  # never spill a round still being written
                 self._spill_locked()
                 free = m.allocator.free_blocks
             blocks = m.allocator.allocate(min(need, free)) if free else None
@@ -138,7 +147,8 @@ class EmbeddingReceiver:
             start = self._round_end
             self._rounds.append(_Round(start, blocks))
             self._round_end = start + len(blocks) * bs
-            self.state.advance(KVPoll.WaitingForInput, start)
+            if not early:  # an early resume leaves progress where it is until the current round lands
+                self.state.advance(KVPoll.WaitingForInput, start)
             self.resume_rounds += 1
             self._needs_resume = False
             self._last_progress = time.monotonic()
@@ -161,6 +171,15 @@ class EmbeddingReceiver:
             m, bs = self._m, self._m.config.block_size
             used = [b for rnd in self._rounds
                     for b in rnd.block_ids[: max(0, -(-(self.total_tokens - rnd.start) // bs))]]
+            if self._clones:  # reference strategy: concatenate the copies of every round
+                parts = self._clones + [self._clone_rounds_locked()]
+                out = Embedding(np.concatenate([p.embeddings for p in parts]), np.concatenate([p.fill_ids for p in parts]),
+                                np.concatenate([p.mrope_positions for p in parts], axis=1), parts[0].aux.copy(),
+                                m.pool.hidden_size, m.pool.dtype)
+                self._blocks_owned = False
+                out.aux[:] = self._aux
+                m._forget(self)
+                return out
             out = m.pool.view(used, self.total_tokens) if self._out is None else None
             if out is not None:
                 held = set(used)
@@ -232,6 +251,19 @@ class EmbeddingReceiver:
             if n > 0:
                 self._m.pool.read_into(rnd.block_ids[: -(-n // bs)], out, rnd.start, n)
 
+    def _clone_rounds_locked(self) -> Embedding:
+        """Copy the rounds in the pool into a new embedding of just their tokens; free their blocks."""
+        assert self.total_tokens is not None
+        first, bs = self._rounds[0].start, self._m.config.block_size
+        end = min(self._round_end, self.total_tokens)
+        clone = Embedding.empty(end - first, self._m.pool.hidden_size, self._m.pool.dtype)
+        for rnd in self._rounds:
+            n = min(len(rnd.block_ids) * bs, end - rnd.start)
+            self._m.pool.read_into(rnd.block_ids[: -(-n // bs)], clone, rnd.start - first, n)
+        self._m.allocator.free([b for rnd in self._rounds for b in rnd.block_ids])
+        self._rounds = []
+        return clone
+
     def _spill_locked(self) -> None:
         """Copy the received rounds into the (early) assembly target and free their blocks."""
         assert self.total_tokens is not None
@@ -258,22 +290,26 @@ class EmbeddingReceiver:
             self.state.fail(f"{self.peer_name} reported failure: {msg.reason or 'no reason given'}")
             self._release_failed()
             return
+        if msg.total_tokens is not None:
+            self._on_total(msg.total_tokens)
+            return
         if msg.status not in (KVPoll.Transferring, KVPoll.Success):
             return
         if msg.sent_tokens is not None and msg.sent_tokens > self._round_end:
             self._fail_bad(f"status says {msg.sent_tokens} tokens sent, only {self._round_end} allocated")
             return
-        if self.total_tokens is None:  # the first round carried aux: read the total from it
+        if self._aux is None:  # the first round carried aux: read the total from it
             first_block = self._rounds[0].block_ids[0] if self._rounds else None
             if first_block is None:
                 return
             self._aux = self._m.pool.aux[first_block].copy()
             total = int(self._aux[0])
-            if total <= 0:
-                self._fail_bad(f"aux reports {total} total tokens")
+            if total <= 0 or self.total_tokens not in (None, total):
+                self._fail_bad(f"aux reports {total} total tokens (announced: {self.total_tokens})")
                 return
             self.total_tokens = total
-        landed = min(self._round_end, self.total_tokens)
+        assert self.total_tokens is not None
+        landed = msg.sent_tokens if msg.sent_tokens is not None else min(self._round_end, self.total_tokens)
         if msg.status == KVPoll.Success:
             if landed != self.total_tokens:
                 self._fail_bad(f"Success after {landed} of {self.total_tokens} tokens")
@@ -283,9 +319,20 @@ class EmbeddingReceiver:
             if landed >= self.total_tokens:
                 self._fail_bad(f"Transferring although all {self.total_tokens} tokens were allocated")
                 return
-            start = self.state.progress.sent_tokens
-            self.state.advance(KVPoll.Transferring, start)
+            if self._round_end > landed:  # the next round was asked for early and is under way
+                self.state.advance(KVPoll.WaitingForInput, landed)
+            else:
+                self.state.advance(KVPoll.Transferring, self.state.progress.sent_tokens)
         self._last_progress = time.monotonic()
+        self._notify()
+
+    def _on_total(self, total: int) -> None:
+        """The encoder announced the total as the first round started: allow an early resume."""
+        if self.total_tokens is not None:
+            return
+        self.total_tokens = total
+        self._early_ok = (self.state.status == KVPoll.WaitingForInput and len(self._rounds) == 1
+                          and self._round_end < total and not self._needs_resume and not self.clone_concat)
         self._notify()
 
     def _fail_bad(self, what: str) -> None:
@@ -307,7 +354,7 @@ class EmbeddingReceiver:
         with self._m._lock:
             before = self.state.progress
             if not before.terminal:
-                self._changed.wait_for(lambda: self.state.progress != before, timeout)
+                self._changed.wait_for(lambda: self.state.progress != before or self._early_ok, timeout)
             return self.state.status
 
 
@@ -551,15 +598,19 @@ class EmbeddingReceiverManager:
 
 
 def receive_embedding(manager: EmbeddingReceiverManager, bootstrap_addr: str, room: int,
-                      timeout: float = 300.0) -> tuple[Embedding, EmbeddingReceiver]:
+                      timeout: float = 300.0, first_blocks: int | None = None,
+                      clone_concat: bool = False) -> tuple[Embedding, EmbeddingReceiver]:
     """Receive one room start to finish: default allocation, init, resumes, assemble.
 
     Blocking convenience for scripts and tests; the language worker drives the same steps
-    from its queues. Raises :class:`TransferFailure` on failure or timeout (aborting the room).
+    from its queues. ``first_blocks`` overrides the default allocation and ``clone_concat``
+    switches to the reference fork's strategy (both for benchmarks). Raises
+    :class:`TransferFailure` on failure or timeout (aborting the room).
     """
     deadline = time.monotonic() + timeout
     receiver = manager.create_receiver(bootstrap_addr, room)
-    blocks = manager.allocate_waiting(manager.config.default_allocate_blocks, deadline)
+    receiver.clone_concat = clone_concat
+    blocks = manager.allocate_waiting(first_blocks or manager.config.default_allocate_blocks, deadline)
     if blocks is None:
         receiver.abort("timeout: no free blocks for the default allocation")
         receiver.failure_exception()
@@ -571,7 +622,7 @@ def receive_embedding(manager: EmbeddingReceiverManager, bootstrap_addr: str, ro
         if left <= 0:
             receiver.abort(f"timeout: room not done within {timeout:g}s")
             receiver.failure_exception()
-        if status == KVPoll.Transferring and receiver.try_resume():
+        if receiver.try_resume():
             continue
         receiver.wait(min(left, 0.05 if status == KVPoll.Transferring else 1.0))
     return receiver.assemble(), receiver

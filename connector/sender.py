@@ -87,6 +87,8 @@ class _Room:
     suspended_at: float | None = None  # the language side suspended the room to sleep
     pending_suspend_acks: list[SuspendMsg] = field(default_factory=list)
     held: Embedding | None = None  # source data kept in host memory while this worker sleeps
+    round_end: int = 0  # sent_tokens once the round being written lands
+    queued_resume: ResumeMsg | None = None  # an early resume for the round after the one in flight
 
 
 class EmbeddingSender:
@@ -253,7 +255,18 @@ class EmbeddingSenderManager:
         for d in r.dsts:
             d.ready = False
         r.in_flight = True
+        start = r.state.progress.sent_tokens
+        r.round_end = start + min(r.total_tokens - start, min(d.allocated_tokens for d in r.dsts))
+        if start == 0 and r.round_end < r.total_tokens and len(r.dsts) == 1:
+            self._announce_total(r, r.dsts[0])
         self._work.put(r.room)
+
+    def _announce_total(self, r: _Room, d: _Destination) -> None:
+        """Tell one of our own language peers the total as an oversized first round starts, so it
+        can allocate and resume while this round is written (fork peers never get this frame)."""
+        peer = self._peers.get(d.session_id)
+        if peer is not None and peer.num_blocks is not None:  # registered with our extension frames
+            self._status(d.endpoint, d.port, StatusMsg(r.room, KVPoll.WaitingForInput, 0, "", r.total_tokens))
 
     def _fail(self, r: _Room, reason: str, notify: bool = True) -> None:
         """Fail a room; tell its destinations; free it once nothing is in flight."""
@@ -407,6 +420,9 @@ class EmbeddingSenderManager:
                 r.state.advance(KVPoll.WaitingForInput)
         else:
             assert r is not None
+            if r.in_flight and r.suspended_at is None:  # early resume: applied when this round lands
+                r.queued_resume = msg
+                return
             if r.suspended_at is not None:  # woken (maybe restarted) language side: rebind the room
                 r.suspended_at = None
                 r.dsts = [dst]
@@ -429,6 +445,8 @@ class EmbeddingSenderManager:
             return ""
         if not any(d.session_id == msg.session_id for d in r.dsts):
             return f"resume for room {msg.room} from session {msg.session_id}, which did not init it"
+        if r.in_flight and r.queued_resume is None and len(r.dsts) == 1 and msg.sent_tokens == r.round_end:
+            return ""  # early: it continues where the round being written ends
         if progress.status != KVPoll.Transferring:
             return f"resume for room {msg.room} in state {progress.status.name}"
         if msg.sent_tokens != progress.sent_tokens:
@@ -487,8 +505,14 @@ class EmbeddingSenderManager:
             self._status(d.endpoint, d.port, StatusMsg(r.room, status, sent))
         if status == KVPoll.Success:
             self._conclude(r)
-        else:
-            r.deadline = time.monotonic() + self.config.resume_timeout
+            return
+        r.deadline = time.monotonic() + self.config.resume_timeout
+        queued, r.queued_resume = r.queued_resume, None
+        if queued is not None:  # the next round was asked for already: go on without a round trip
+            d = dsts[0]
+            d.block_ids, d.allocated_tokens, d.ready = queued.block_ids, queued.allocated_tokens, True
+            r.state.advance(KVPoll.WaitingForInput, sent)
+            self._maybe_start(r)
 
     # ---- timeouts --------------------------------------------------------------------------
 

@@ -295,8 +295,8 @@ class LanguageWorker:
             receiver = req.receiver
             assert receiver is not None
             status = receiver.poll()
-            if status in (KVPoll.Transferring, KVPoll.Bootstrapping):  # Bootstrapping: restored after sleep
-                progressed += receiver.try_resume()
+            if status in (KVPoll.Transferring, KVPoll.WaitingForInput, KVPoll.Bootstrapping):
+                progressed += receiver.try_resume()  # after a round, early (total announced), or restored
             elif status == KVPoll.Success:
                 self._finish(req, receiver.assemble(), time.monotonic() - req.init_at)
                 progressed += 1

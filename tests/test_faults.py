@@ -45,7 +45,7 @@ def test_sender_killed_mid_round_fails_rooms_naming_the_peer_and_receiver_keeps_
     peer.call("stage", room=1, tokens=3 * 8192, seed=1)
     peer.call("stage", room=2, tokens=40_000, seed=2)
     waiting = start_room(lang, peer, 1, 64)  # partial: will wait for a resume that never comes
-    assert waiting.wait(30) == KVPoll.Transferring
+    wait_for(lambda: waiting.poll() == KVPoll.Transferring, 30, "the first round")
     writing = start_room(lang, peer, 2, 192)  # 24,576 of 40,000 tokens: a large write in flight
     os.kill(peer.proc.pid, signal.SIGKILL)
     peer.proc.wait()
@@ -112,7 +112,7 @@ def test_resume_timeout_on_the_encoder_fails_the_room_and_frees_both_pools(make_
     peer, lang = make_peer(resume_timeout=1), make_language()
     peer.call("stage", room=1, tokens=10_000, seed=1)
     receiver = start_room(lang, peer, 1, 64)
-    assert receiver.wait(30) == KVPoll.Transferring
+    wait_for(lambda: receiver.poll() == KVPoll.Transferring, 30, "the first round")
     wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the resume timeout")
     with pytest.raises(TransferFailure, match="no resume within 1s"):
         receiver.failure_exception()

@@ -45,7 +45,7 @@ def test_language_sleeps_between_rounds_while_the_encoder_waits_for_its_resume(m
     peer, lang = make_peer(resume_timeout=1), make_language()
     expected = peer.call("stage", room=1, tokens=20_000, seed=1)["digests"]
     receiver = start_room(lang, peer, 1, 64)
-    assert receiver.wait(30) == KVPoll.Transferring
+    wait_for(lambda: receiver.poll() == KVPoll.Transferring, 30, "the first round")
     ckpts, (restored,) = language_sleep_and_wake(lang, [receiver])
     assert ckpts[0].landed == 8192 and ckpts[0].total_tokens == 20_000
     finish(lang, restored, expected)
@@ -56,7 +56,7 @@ def test_a_suspended_room_outlives_the_encoders_resume_timeout(make_peer, make_l
     peer, lang = make_peer(resume_timeout=1), make_language()
     expected = peer.call("stage", room=2, tokens=9000, seed=2)["digests"]
     receiver = start_room(lang, peer, 2, 64)
-    assert receiver.wait(30) == KVPoll.Transferring
+    wait_for(lambda: receiver.poll() == KVPoll.Transferring, 30, "the first round")
     lang.manager.suspend_all([receiver], timeout=30)
     time.sleep(2.5)  # asleep for longer than the encoder's resume timeout
     assert peer.call("status", room=2)["status"] == "Transferring"
@@ -89,7 +89,7 @@ def test_encoder_sleeps_with_rooms_in_every_phase_and_they_all_finish(make_peer,
     expected = {room: peer.call("stage", room=room, tokens=tokens, seed=room)["digests"]
                 for room, tokens in ((10, 20_000), (11, 30_000), (12, 500))}
     waiting = start_room(lang, peer, 10, 64)
-    assert waiting.wait(30) == KVPoll.Transferring  # between rounds
+    wait_for(lambda: waiting.poll() == KVPoll.Transferring, 30, "the first round")  # between rounds
     writing = start_room(lang, peer, 11, 200)  # mid-round
     kept = peer.call("sleep")["kept_bytes"]
     assert kept >= (20_000 + 30_000 + 500) * 3584 * 2
