@@ -65,3 +65,8 @@ class BlockAllocator:
                 raise ValueError(f"double free or never allocated: {ids}")
             self._in_use[arr] = False
             self._free_count += len(ids)
+
+
+def pool_blocks(allocator: BlockAllocator | None) -> tuple[int, int]:
+    """``(free, total)`` blocks, ``(0, 0)`` while a worker sleeps with its pool released."""
+    return (allocator.free_blocks, allocator.num_blocks) if allocator is not None else (0, 0)

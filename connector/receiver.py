@@ -147,7 +147,9 @@ class EmbeddingReceiver:
             start = self._round_end
             self._rounds.append(_Round(start, blocks))
             self._round_end = start + len(blocks) * bs
-            if not early:  # an early resume leaves progress where it is until the current round lands
+            if early:  # progress stays where it is until the current round lands
+                m.stats["early_resumes"] += 1
+            else:
                 self.state.advance(KVPoll.WaitingForInput, start)
             self.resume_rounds += 1
             self._needs_resume = False

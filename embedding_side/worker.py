@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from connector.allocator import BlockAllocator
+from connector.allocator import BlockAllocator, pool_blocks
 from connector.bootstrap import BootstrapServer
 from connector.buffers import AUX_INTS, BufferPool, Embedding
 from connector.config import ConnectorConfig
@@ -56,7 +56,7 @@ class EncodeWorker:
         self.bootstrap = BootstrapServer(config.host, bootstrap_port,
                                          health_status=lambda: "SLEEPING" if self.gate.is_sleeping() else "OK")
         self.bootstrap.put_route(1, 1, config.host, self.sender.rank_port, 0)
-        self.metrics = WorkerMetrics("encode", self._pool_blocks)
+        self.metrics = WorkerMetrics("encode", lambda: pool_blocks(self.allocator))
         self._idle = threading.Condition()  # notified when an encode request ends
         self._encode_lock = threading.Lock()  # one forward pass at a time; the cores are few
         self._in_flight: set[str] = set()
@@ -129,17 +129,13 @@ class EncodeWorker:
         return blocks
 
     def health(self) -> dict:
-        free, total = self._pool_blocks()
+        free, total = pool_blocks(self.allocator)
         return {"status": "sleeping" if self.gate.is_sleeping() else "ok", "role": "encode",
                 "state": self.gate.state.value, "bootstrap_port": self.bootstrap.port, "free_blocks": free,
                 "num_blocks": total, "active_rooms": self.sender.active_rooms()}
 
     def is_sleeping(self) -> bool:
         return self.gate.is_sleeping()
-
-    def _pool_blocks(self) -> tuple[int, int]:
-        allocator = self.allocator
-        return (allocator.free_blocks, allocator.num_blocks) if allocator is not None else (0, 0)
 
     def sleep(self, level: int = 1, preserve_state: bool = False) -> dict:
         """Finish running encodes, keep (or fail) every room, release the pool, offload weights."""

@@ -22,15 +22,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from connector import checkpoint as checkpoint_files
-from connector.allocator import BlockAllocator
+from connector.allocator import BlockAllocator, pool_blocks
 from connector.buffers import BufferPool, Embedding
+from connector.checkpoint import CheckpointError
 from connector.config import ConnectorConfig
 from connector.http_util import HTTPError
 from connector.metrics import WorkerMetrics
 from connector.mooncake_transport import MooncakeTransport
 from connector.poll import KVPoll
 from connector.receiver import EmbeddingReceiver, EmbeddingReceiverManager
-from connector.checkpoint import CheckpointError
 from connector.sleep import SleepGate
 from language_side import checkpoint
 from language_side.checkpoint import SavedRequest
@@ -66,7 +66,7 @@ class LanguageWorker:
         self._wake = threading.Event()
         self.receivers = EmbeddingReceiverManager(config, self.transport, self.pool, self.allocator,
                                                   on_change=self._wake.set)
-        self.metrics = WorkerMetrics("language", self._pool_blocks)
+        self.metrics = WorkerMetrics("language", lambda: pool_blocks(self.allocator))
         self.gate = SleepGate("language", queue_while_sleeping, config.max_sleep)
         self._lock = threading.Lock()
         self._step = threading.Lock()  # held by the scheduler per step; sleep takes it to stop the queues
@@ -105,17 +105,13 @@ class LanguageWorker:
     def health(self) -> dict:
         with self._lock:
             queued, transferring = len(self._prealloc), len(self._transfer)
-        free, total = self._pool_blocks()
+        free, total = pool_blocks(self.allocator)
         return {"status": "sleeping" if self.gate.is_sleeping() else "ok", "role": "language",
                 "state": self.gate.state.value, "free_blocks": free, "num_blocks": total, "queued": queued,
                 "transferring": transferring}
 
     def is_sleeping(self) -> bool:
         return self.gate.is_sleeping()
-
-    def _pool_blocks(self) -> tuple[int, int]:
-        allocator = self.allocator
-        return (allocator.free_blocks, allocator.num_blocks) if allocator is not None else (0, 0)
 
     # ---- sleep and wake ------------------------------------------------------------------------
 

@@ -28,12 +28,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from peer_control import EncodePeer  # noqa: E402
+
 from connector.allocator import BlockAllocator  # noqa: E402
 from connector.buffers import BufferPool  # noqa: E402
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.mooncake_transport import MooncakeTransport  # noqa: E402
 from connector.receiver import EmbeddingReceiverManager, receive_embedding  # noqa: E402
-from peer_control import EncodePeer  # noqa: E402
 
 SIZES = (4096, 8192, 8193, 16384, 32768, 65536)
 MODES = ("single", "resume", "clone-concat")

@@ -21,6 +21,9 @@ def run(args: argparse.Namespace) -> None:
     from connector.http_util import serve
 
     if args.disaggregation_mode == "encode":
+        if args.checkpoint_dir:
+            raise SystemExit("--checkpoint-dir: only the language worker writes its sleep checkpoint to disk so far; "
+                             "the encode worker keeps it in host memory (drop the flag)")
         from embedding_side.encoders import FakeEncoder, QwenVisionEncoder
         from embedding_side.http_api import build_app
         from embedding_side.worker import EncodeWorker, ImageLimits

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from embedding_side.encoders import write_builtin_checkpoint
 from test_workers import Pair, assert_pools_free, images  # noqa: F401  (fixture)
 from transfer_large_image import run_request
 from workers import WorkerProcess
+
+from embedding_side.encoders import write_builtin_checkpoint
 
 SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 SGLANG_SERVE = (str(Path(sys.executable).parent / "sglang"), "serve")

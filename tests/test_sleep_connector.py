@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 
+from test_faults import raw_language, start_room, wait_for  # noqa: F401  (fixture)
+
 from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool
 from connector.messages import InitMsg, RegisterMsg, StatusMsg, SuspendAckMsg, SuspendMsg, decode_language_bound
 from connector.mooncake_transport import MooncakeTransport
 from connector.poll import KVPoll
-from test_faults import raw_language, start_room, wait_for  # noqa: F401  (fixture)
 
 
 def language_sleep_and_wake(lang, receivers):
@@ -103,7 +104,7 @@ def test_encoder_sleeps_with_rooms_in_every_phase_and_they_all_finish(make_peer,
     wait_for(lang.allocator.all_free, 5, "language blocks")
 
 
-def test_a_suspend_during_the_last_round_is_acked_after_its_success(make_peer, raw_language) -> None:
+def test_a_suspend_during_the_last_round_is_acked_after_its_success(make_peer, raw_language) -> None:  # noqa: F811
     """On the wire: the round's Success status comes before the SUSPEND_ACK, never after."""
     pull, push, port = raw_language
     transport = MooncakeTransport()

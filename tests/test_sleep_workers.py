@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from test_workers import Pair, assert_pools_free, images  # noqa: F401  (fixture)
 from transfer_large_image import make_image, run_request
 from workers import WorkerProcess
@@ -243,7 +242,7 @@ def test_soak_50_sleep_wake_cycles_while_16_requests_flow(tmp_path: Path) -> Non
     try:
         with ThreadPoolExecutor(16) as pool:
             flows = [pool.submit(flow, p) for p in paths]
-            for cycle in range(50):
+            for _ in range(50):
                 worker = rng.choice([pair.encode, pair.language])
                 time.sleep(rng.uniform(0.0, 0.4))
                 sleep_(worker, rng.choice([1, 2]), True)
