@@ -3,40 +3,32 @@ see exactly the fork's messages."""
 
 from __future__ import annotations
 
-from test_faults import raw_language  # noqa: F401  (fixture)
+from test_faults import raw_language, raw_pool  # noqa: F401  (fixtures)
 from test_sleep_connector import recv_any
 from test_transfer import transfer
 
-from connector.buffers import BufferPool
 from connector.messages import InitMsg, RegisterMsg, StatusMsg
-from connector.mooncake_transport import MooncakeTransport
 from connector.poll import KVPoll
 
 
-def test_only_peers_with_our_register_frames_get_the_total_early(make_peer, raw_language) -> None:  # noqa: F811
+def test_only_peers_with_our_register_frames_get_the_total_early(make_peer, raw_language, raw_pool) -> None:  # noqa: F811
     pull, push, port = raw_language
-    transport = MooncakeTransport()
-    pool = BufferPool(200, 128, 3584)
-    transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
-    try:
-        peer = make_peer(resume_timeout=1)  # the rooms left waiting for a resume end by themselves
-        push.connect(f"tcp://127.0.0.1:{peer.info['rank_port']}")
-        fork = RegisterMsg("127.0.0.1", port, transport.session_id, pool.base_ptrs)
-        ours = RegisterMsg("127.0.0.1", port, transport.session_id, pool.base_ptrs, 1, 200, pool.item_lens)
-        for room, register in ((1, fork), (2, ours)):
-            peer.call("stage", room=room, tokens=20_000, seed=room)
-            push.send_multipart(register.encode())
-            push.send_multipart(InitMsg(room, "127.0.0.1", port, transport.session_id, tuple(range(64)), 1,
-                                        8192).encode())
-            first = recv_any(pull)
-            if register is fork:
-                assert first == StatusMsg(room, KVPoll.Transferring, 8192), first
-            else:
-                assert first == StatusMsg(room, KVPoll.WaitingForInput, 0, "", 20_000), first
-                assert recv_any(pull) == StatusMsg(room, KVPoll.Transferring, 8192)
-    finally:
-        transport.unregister([b.ctypes.data for b in pool.buffers])
-        transport.close()
+    transport, pool = raw_pool
+    peer = make_peer(resume_timeout=1)  # the rooms left waiting for a resume end by themselves
+    push.connect(f"tcp://127.0.0.1:{peer.info['rank_port']}")
+    fork = RegisterMsg("127.0.0.1", port, transport.session_id, pool.base_ptrs)
+    ours = RegisterMsg("127.0.0.1", port, transport.session_id, pool.base_ptrs, 1, 300, pool.item_lens)
+    for room, register in ((1, fork), (2, ours)):
+        peer.call("stage", room=room, tokens=20_000, seed=room)
+        push.send_multipart(register.encode())
+        push.send_multipart(InitMsg(room, "127.0.0.1", port, transport.session_id, tuple(range(64)), 1,
+                                    8192).encode())
+        first = recv_any(pull)
+        if register is fork:
+            assert first == StatusMsg(room, KVPoll.Transferring, 8192), first
+        else:
+            assert first == StatusMsg(room, KVPoll.WaitingForInput, 0, "", 20_000), first
+            assert recv_any(pull) == StatusMsg(room, KVPoll.Transferring, 8192)
 
 
 def test_our_language_side_resumes_while_the_first_round_is_written(make_peer, make_language) -> None:

@@ -11,6 +11,7 @@ import zmq
 from test_transfer import transfer
 
 from connector.bootstrap import BootstrapServer
+from connector.buffers import BufferPool
 from connector.messages import (
     AbortAckMsg,
     InitMsg,
@@ -20,6 +21,7 @@ from connector.messages import (
     decode_encoder_bound,
     decode_language_bound,
 )
+from connector.mooncake_transport import MooncakeTransport
 from connector.poll import KVPoll, TransferFailure
 from connector.receiver import receive_embedding
 
@@ -150,6 +152,17 @@ def raw_language():
     pull.close(0)
     push.close(0)
     ctx.term()
+
+
+@pytest.fixture
+def raw_pool():
+    """A registered destination pool with its Mooncake engine, for tests that speak raw ZMQ."""
+    transport = MooncakeTransport()
+    pool = BufferPool(300, 128, 3584)
+    transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
+    yield transport, pool
+    transport.unregister([b.ctypes.data for b in pool.buffers])
+    transport.close()
 
 
 def recv_status(pull, timeout_ms: int = 5000) -> StatusMsg:

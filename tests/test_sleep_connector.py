@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import time
 
-from test_faults import raw_language, start_room, wait_for  # noqa: F401  (fixture)
+from test_faults import raw_language, raw_pool, start_room, wait_for  # noqa: F401  (fixtures)
 
 from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool
 from connector.messages import InitMsg, RegisterMsg, StatusMsg, SuspendAckMsg, SuspendMsg, decode_language_bound
-from connector.mooncake_transport import MooncakeTransport
 from connector.poll import KVPoll
 
 
@@ -104,28 +103,22 @@ def test_encoder_sleeps_with_rooms_in_every_phase_and_they_all_finish(make_peer,
     wait_for(lang.allocator.all_free, 5, "language blocks")
 
 
-def test_a_suspend_during_the_last_round_is_acked_after_its_success(make_peer, raw_language) -> None:  # noqa: F811
+def test_a_suspend_during_the_last_round_is_acked_after_its_success(make_peer, raw_language, raw_pool) -> None:  # noqa: F811
     """On the wire: the round's Success status comes before the SUSPEND_ACK, never after."""
     pull, push, port = raw_language
-    transport = MooncakeTransport()
-    pool = BufferPool(300, 128, 3584)
-    transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
-    try:
-        peer = make_peer(num_blocks=600)
-        peer.call("stage", room=20, tokens=36_000, seed=20)
-        push.connect(f"tcp://127.0.0.1:{peer.info['rank_port']}")
-        push.send_multipart(RegisterMsg("127.0.0.1", port, transport.session_id, pool.base_ptrs, 1, 300,
-                                        pool.item_lens).encode())
-        push.send_multipart(InitMsg(20, "127.0.0.1", port, transport.session_id, tuple(range(282)), 1,
-                                    282 * 128).encode())
-        push.send_multipart(SuspendMsg(20, "127.0.0.1", port, 1).encode())  # lands while the round is written
-        first = recv_any(pull)
-        second = recv_any(pull)
-        assert isinstance(first, StatusMsg) and first.status == KVPoll.Success, first
-        assert isinstance(second, SuspendAckMsg), second
-    finally:
-        transport.unregister([b.ctypes.data for b in pool.buffers])
-        transport.close()
+    transport, pool = raw_pool
+    peer = make_peer(num_blocks=600)
+    peer.call("stage", room=20, tokens=36_000, seed=20)
+    push.connect(f"tcp://127.0.0.1:{peer.info['rank_port']}")
+    push.send_multipart(RegisterMsg("127.0.0.1", port, transport.session_id, pool.base_ptrs, 1, 300,
+                                    pool.item_lens).encode())
+    push.send_multipart(InitMsg(20, "127.0.0.1", port, transport.session_id, tuple(range(282)), 1,
+                                282 * 128).encode())
+    push.send_multipart(SuspendMsg(20, "127.0.0.1", port, 1).encode())  # lands while the round is written
+    first = recv_any(pull)
+    second = recv_any(pull)
+    assert isinstance(first, StatusMsg) and first.status == KVPoll.Success, first
+    assert isinstance(second, SuspendAckMsg), second
 
 
 def recv_any(pull):
