@@ -207,16 +207,12 @@ class EmbeddingReceiver:
             m._send(self, AbortMsg(self.room, m.config.host, m.rank_port, m.generation).encode())
 
     def suspend(self) -> None:
-        """Ask the encoder to write nothing more for this room (sleep); see ``suspended``."""
+        """Ask the encoder to write nothing more for this room (sleep); the ack sets ``_suspend_acked``."""
         with self._m._lock:
             if self.state.progress.terminal:
                 return
             m = self._m
             m._send(self, SuspendMsg(self.room, m.config.host, m.rank_port, m.generation).encode())
-
-    @property
-    def suspended(self) -> bool:
-        return self._suspend_acked
 
     def checkpoint(self) -> ReceiverCheckpoint:
         """After the suspend ack: keep what landed in host memory and give every block back."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import selectors
 import subprocess
 import sys
 import threading
@@ -29,8 +30,6 @@ class EncodePeer:
         self._lock = threading.Lock()  # one REQ socket, many caller threads
 
     def _read_ready(self, timeout: float) -> str:
-        import selectors
-
         sel = selectors.DefaultSelector()
         assert self.proc.stdout is not None
         sel.register(self.proc.stdout, selectors.EVENT_READ)
