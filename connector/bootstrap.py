@@ -4,8 +4,10 @@ Routes and JSON bodies are the reference fork's, so fork peers can use ours:
 
 * ``PUT /route`` ``{"role": "Encode", "tp_size", "dp_size", "rank_ip", "rank_port", "engine_rank"}``
 * ``GET /route?engine_rank=-1&target_dp_group=-1`` -> ``{"embedding_tp_size", "embedding_dp_size"}``
-* ``GET /route?engine_rank=R&target_dp_group=G`` -> ``{"rank_ip", "rank_port"}``
-* ``GET /health`` -> ``OK`` (the language side's heartbeat)
+* ``GET /route?engine_rank=R&target_dp_group=G`` -> ``{"rank_ip", "rank_port"}`` (plus the
+  incarnation header below)
+* ``GET /health`` -> ``OK`` (the language side's heartbeat), ``SLEEPING`` or ``SLEEPING
+  checkpointed``; header ``X-EPD-Incarnation`` changes when the worker process restarts
 
 Unknown ranks get 404 with a message (the fork answers 500).
 """
@@ -15,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import requests
 from aiohttp import web
@@ -24,10 +27,14 @@ from aiohttp import web
 log = logging.getLogger(__name__)
 
 
+INCARNATION_HEADER = "X-EPD-Incarnation"
+
+
 @dataclass(frozen=True)
 class RankRoute:
     rank_ip: str
     rank_port: int
+    incarnation: str | None = field(default=None, compare=False)  # our encoders' header; fork peers send none
 
 
 class BootstrapServer:
@@ -40,6 +47,7 @@ class BootstrapServer:
     def __init__(self, host: str, port: int, health_status: Callable[[], str] = lambda: "OK") -> None:
         self.host, self.port = host, port
         self._health_status = health_status
+        self.incarnation = uuid.uuid4().hex  # tells a restarted worker from the one before it
         self._sizes: tuple[int, int] | None = None  # (tp_size, dp_size), fixed by the first PUT
         self._table: dict[tuple[int, int], RankRoute] = {}  # (dp_group, tp_rank) -> route
         self._lock = threading.Lock()
@@ -91,7 +99,7 @@ class BootstrapServer:
         self._loop.close()
 
     async def _health(self, _request: web.Request) -> web.Response:
-        return web.Response(text=self._health_status())
+        return web.Response(text=self._health_status(), headers={INCARNATION_HEADER: self.incarnation})
 
     async def _route(self, request: web.Request) -> web.Response:
         if request.method == "PUT":
@@ -120,7 +128,8 @@ class BootstrapServer:
             route = self._table.get((dp_group, engine_rank % self._sizes[0]))
         if route is None:
             return web.Response(status=404, text=f"no encode rank {engine_rank} in dp group {dp_group}")
-        return web.json_response({"rank_ip": route.rank_ip, "rank_port": route.rank_port})
+        return web.json_response({"rank_ip": route.rank_ip, "rank_port": route.rank_port},
+                                 headers={INCARNATION_HEADER: self.incarnation})
 
 
 def fetch_route(bootstrap_addr: str, room: int, engine_rank: int = 0, timeout: float = 5.0) -> RankRoute:
@@ -137,6 +146,6 @@ def fetch_route(bootstrap_addr: str, room: int, engine_rank: int = 0, timeout: f
                             timeout=timeout)
         resp.raise_for_status()
         body = resp.json()
-        return RankRoute(str(body["rank_ip"]), int(body["rank_port"]))
+        return RankRoute(str(body["rank_ip"]), int(body["rank_port"]), resp.headers.get(INCARNATION_HEADER))
     except (requests.RequestException, ValueError, KeyError) as exc:
         raise ConnectionError(f"encode bootstrap {bootstrap_addr} unreachable or invalid: {exc}") from exc

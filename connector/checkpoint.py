@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load as load_tensors
 from safetensors.numpy import save as save_tensors
+
+from connector.buffers import Embedding
+
+log = logging.getLogger(__name__)
 
 FORMAT = "epd-resume-checkpoint/1"
 
@@ -51,6 +57,20 @@ def save(folder: str | Path, role: str, meta: dict, tensors: dict[str, np.ndarra
     return len(body) + len(blob)
 
 
+def save_or_explain(folder: str | Path, write: Callable[[], int]) -> tuple[int | None, str]:
+    """Run a checkpoint ``write``; an ``OSError`` (disk full, bad folder) becomes a message.
+
+    The worker still holds everything in host memory, so sleep goes on: only a restart
+    would lose the requests. Returns the bytes written (None on error) and the message.
+    """
+    try:
+        return write(), ""
+    except OSError as exc:
+        why = f"checkpoint not written to {folder}: {exc}"
+        log.error("%s; the requests are kept in host memory only", why)
+        return None, why
+
+
 def load(folder: str | Path, role: str, expect: dict) -> tuple[dict, dict[str, np.ndarray]]:
     """Read and verify a checkpoint; ``expect`` holds meta fields that must match exactly."""
     json_path, tensor_path, sum_path = _paths(Path(folder), role)
@@ -77,4 +97,25 @@ def load(folder: str | Path, role: str, expect: dict) -> tuple[dict, dict[str, n
 
 def remove(folder: str | Path, role: str) -> None:
     for path in _paths(Path(folder), role):
-        path.unlink(missing_ok=True)
+        if path.exists():  # False, not an error, when the folder itself could not be made
+            path.unlink()
+
+
+def embedding_tensors(prefix: str, emb: Embedding, upto: int) -> dict[str, np.ndarray]:
+    """The first ``upto`` tokens of ``emb`` as named arrays (``{prefix}.embeddings`` and so on)."""
+    return {f"{prefix}.embeddings": emb.embeddings[:upto], f"{prefix}.fill_ids": emb.fill_ids[:upto],
+            f"{prefix}.mrope_positions": emb.mrope_positions[:, :upto]}
+
+
+def fill_embedding(tensors: dict[str, np.ndarray], prefix: str, emb: Embedding, upto: int) -> None:
+    """Copy the arrays :func:`embedding_tensors` named into the first ``upto`` tokens of ``emb``.
+
+    Raises ``ValueError`` when one is missing or has another shape or dtype.
+    """
+    for name, target in embedding_tensors(prefix, emb, upto).items():
+        array = tensors.get(name)
+        if array is None:
+            raise ValueError(f"tensor {name} is missing")
+        if array.shape != target.shape or array.dtype != target.dtype:
+            raise ValueError(f"tensor {name} is {array.shape} {array.dtype}, expected {target.shape} {target.dtype}")
+        target[...] = array

@@ -24,7 +24,7 @@ import requests
 import zmq
 
 from connector.allocator import BlockAllocator
-from connector.bootstrap import RankRoute, fetch_route
+from connector.bootstrap import INCARNATION_HEADER, RankRoute, fetch_route
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
 from connector.messages import (
@@ -101,10 +101,8 @@ class EmbeddingReceiver:
         self._rounds.append(_Round(0, list(block_ids)))
         m = self._m
         self._round_end = len(block_ids) * m.config.block_size
-        msg = InitMsg(self.room, m.config.host, m.rank_port, m.transport.session_id, tuple(block_ids), 1,
-                      len(block_ids) * m.config.block_size)
         self.state.advance(KVPoll.WaitingForInput)
-        m._send(self, msg.encode())
+        m._send(self, self._round_frames(block_ids, None))
 
     def poll(self) -> KVPoll:
         return self.state.status
@@ -154,9 +152,7 @@ class EmbeddingReceiver:
             self.resume_rounds += 1
             self._needs_resume = False
             self._last_progress = time.monotonic()
-        msg = ResumeMsg(self.room, m.config.host, m.rank_port, m.transport.session_id, tuple(blocks), 1, start,
-                        len(blocks) * bs)
-        m._send(self, msg.encode())
+        m._send(self, self._round_frames(blocks, start))
         return True
 
     def assemble(self) -> Embedding:
@@ -238,6 +234,33 @@ class EmbeddingReceiver:
                                       self._aux, self.resume_rounds, self._out if landed else None)
 
     # ---- internals (manager lock held) -------------------------------------------------------
+
+    def _round_frames(self, block_ids: list[int], resume_from: int | None) -> list[bytes]:
+        """The 7-frame init (``resume_from`` None) or the 8-frame resume of one round."""
+        m = self._m
+        allocated = len(block_ids) * m.config.block_size
+        if resume_from is None:
+            msg = InitMsg(self.room, m.config.host, m.rank_port, m.transport.session_id, tuple(block_ids), 1, allocated)
+        else:
+            msg = ResumeMsg(self.room, m.config.host, m.rank_port, m.transport.session_id, tuple(block_ids), 1,
+                            resume_from, allocated)
+        return msg.encode()
+
+    def _rebind(self, route: RankRoute) -> None:
+        """The encoder restarted at ``route``: ask it again for the round it owes this room.
+
+        A round that starts at token 0 is asked for with an init, a later one with a resume;
+        a restarted encoder restores exactly those two kinds of room from its checkpoint.
+        """
+        self.route = route
+        self.peer_name = f"encode peer {self.bootstrap_addr} (rank {route.rank_ip}:{route.rank_port})"
+        self._last_progress = time.monotonic()
+        if self.state.status != KVPoll.WaitingForInput:
+            return  # nothing requested: the next try_resume goes to the new rank
+        start = self.state.progress.sent_tokens
+        pending = next((rnd for rnd in self._rounds if rnd.start == start), None)
+        if pending is not None:
+            self._m._send(self, self._round_frames(pending.block_ids, start or None))
 
     def _copy_rounds_into(self, out: Embedding, upto: int | None = None) -> None:
         """Copy the rounds still in the pool into ``out``, tokens below ``upto`` (default: all)."""
@@ -373,6 +396,8 @@ class EmbeddingReceiverManager:
         self._registered: set[tuple[str, int]] = set()  # encode ranks that have our register
         self._heartbeat_misses: collections.Counter[str] = collections.Counter()
         self._sleeping_peers: dict[str, float] = {}  # bootstrap addr -> when it was first seen asleep
+        self._durable_peers: set[str] = set()  # asleep with their rooms on disk: they may restart meanwhile
+        self._incarnations: dict[str, str] = {}  # bootstrap addr -> the encoder process our rooms are bound to
         self._any_change = threading.Condition(self._lock)
         transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
         self._context = zmq.Context()
@@ -394,6 +419,8 @@ class EmbeddingReceiverManager:
             route = fetch_route(bootstrap_addr, room)
         with self._lock:
             self._routes[bootstrap_addr] = route
+            if route.incarnation:
+                self._incarnations.setdefault(bootstrap_addr, route.incarnation)
             receiver = EmbeddingReceiver(self, bootstrap_addr, room, route)
             self._rooms[room] = receiver
             return receiver
@@ -561,29 +588,70 @@ class EmbeddingReceiverManager:
             try:
                 resp = self._http.get(f"{base}/health", timeout=self.config.heartbeat_interval)
                 ok, why = resp.status_code == 200, f"HTTP {resp.status_code}"
-                self._note_sleeping(addr, ok and resp.text.startswith("SLEEPING"))
             except requests.RequestException as exc:
                 ok, why = False, type(exc).__name__
             if ok:
                 self._heartbeat_misses.pop(addr, None)
+                self._note_health(addr, resp.text, resp.headers.get(INCARNATION_HEADER))
+                continue
+            if addr in self._durable_peers:  # restarting from its checkpoint: its rooms wait (up to max_sleep)
+                self.stats["durable_peer_unreachable"] += 1
                 continue
             self._heartbeat_misses[addr] += 1
             if self._heartbeat_misses[addr] >= self.config.heartbeat_max_failures:
                 self._declare_dead(addr, f"{self._heartbeat_misses[addr]} heartbeats missed ({why})")
 
-    def _note_sleeping(self, addr: str, sleeping: bool) -> None:
-        """A sleeping encoder is alive: its rooms wait (up to ``max_sleep``) instead of timing out."""
+    def _note_health(self, addr: str, text: str, incarnation: str | None) -> None:
+        """A sleeping encoder is alive: its rooms wait (up to ``max_sleep``) instead of timing out.
+
+        One that answers awake as a new process (a restart, maybe from its checkpoint) gets
+        every outstanding request of our rooms again.
+        """
+        sleeping = text.startswith("SLEEPING")
         with self._lock:
             if sleeping:
                 self._sleeping_peers.setdefault(addr, time.monotonic())
-            elif self._sleeping_peers.pop(addr, None) is not None:
+                if text.startswith("SLEEPING checkpointed"):
+                    self._durable_peers.add(addr)
+                else:
+                    self._durable_peers.discard(addr)
+                return
+            self._durable_peers.discard(addr)
+            if self._sleeping_peers.pop(addr, None) is not None:
                 for receiver in self._rooms.values():
                     if receiver.bootstrap_addr == addr:
                         receiver._last_progress = time.monotonic()
+            known = self._incarnations.setdefault(addr, incarnation) if incarnation else None
+        if known is not None and known != incarnation:
+            self._rebind(addr, incarnation)
+
+    def _rebind(self, addr: str, incarnation: str) -> None:
+        """Point the rooms of a restarted encoder at its new rank and repeat what it owes them."""
+        with self._lock:
+            rooms = [r for r in self._rooms.values() if r.bootstrap_addr == addr and not r.state.progress.terminal]
+        try:
+            route = fetch_route(addr, rooms[0].room if rooms else 0)
+        except ConnectionError as exc:  # asked again at the next heartbeat
+            log.warning("encode peer %s restarted but its route is not readable yet: %s", addr, exc)
+            return
+        with self._lock:
+            self._incarnations[addr] = route.incarnation or incarnation
+            old = self._routes.get(addr)
+            self._routes[addr] = route
+            if old is not None:
+                self._registered.discard((old.rank_ip, old.rank_port))
+                self._push.drop(old.rank_ip, old.rank_port)
+            for receiver in rooms:
+                if not receiver.state.progress.terminal:
+                    receiver._rebind(route)
+        self.stats["peer_restarted"] += 1
+        log.warning("encode peer %s restarted (rank now %s:%d); %d rooms asked again",
+                    addr, route.rank_ip, route.rank_port, len(rooms))
 
     def _declare_dead(self, addr: str, why: str) -> None:
         with self._lock:
             self._heartbeat_misses.pop(addr, None)
+            self._incarnations.pop(addr, None)
             route = self._routes.pop(addr, None)
             if route is not None:
                 self._registered.discard((route.rank_ip, route.rank_port))
@@ -613,6 +681,15 @@ def receive_embedding(manager: EmbeddingReceiverManager, bootstrap_addr: str, ro
         receiver.abort("timeout: no free blocks for the default allocation")
         receiver.failure_exception()
     receiver.init(blocks)
+    return finish_receiving(receiver, deadline - time.monotonic()), receiver
+
+
+def finish_receiving(receiver: EmbeddingReceiver, timeout: float) -> Embedding:
+    """Drive an inited receiver to ``Success`` (resuming after each partial round) and assemble.
+
+    Raises :class:`TransferFailure` on failure or timeout (aborting the room).
+    """
+    deadline = time.monotonic() + timeout
     while (status := receiver.poll()) != KVPoll.Success:
         if status == KVPoll.Failed:
             receiver.failure_exception()
@@ -623,4 +700,4 @@ def receive_embedding(manager: EmbeddingReceiverManager, bootstrap_addr: str, ro
         if receiver.try_resume():
             continue
         receiver.wait(min(left, 0.05 if status == KVPoll.Transferring else 1.0))
-    return receiver.assemble(), receiver
+    return receiver.assemble()

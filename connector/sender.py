@@ -91,6 +91,15 @@ class _Room:
     queued_resume: ResumeMsg | None = None  # an early resume for the round after the one in flight
 
 
+@dataclass
+class SenderRoomCheckpoint:
+    """A room kept over sleep: its whole source embedding (aux included) and how much was sent."""
+
+    room: int
+    sent_tokens: int
+    data: Embedding
+
+
 class EmbeddingSender:
     """One request's sending end; cheap, all work happens in the manager."""
 
@@ -187,6 +196,29 @@ class EmbeddingSenderManager:
                     kept += r.held.embeddings.nbytes + r.held.fill_ids.nbytes + r.held.mrope_positions.nbytes
             self.transport.unregister([b.ctypes.data for b in self.pool.buffers])
         return kept
+
+    def held_rooms(self) -> list[SenderRoomCheckpoint]:
+        """The rooms :meth:`detach_pool` kept, for a checkpoint on disk."""
+        with self._lock:
+            return [SenderRoomCheckpoint(r.room, r.state.progress.sent_tokens, r.held)
+                    for r in self._rooms.values() if r.held is not None and r.concluded_at is None]
+
+    def restore(self, rooms: list[SenderRoomCheckpoint]) -> None:
+        """Put rooms from a checkpoint on disk back (a restarted worker, before :meth:`attach_pool`).
+
+        A room that had sent nothing waits for the language side's init again; the others wait
+        for its resume, which rebinds them to whichever language session sends it.
+        """
+        with self._lock:
+            taken = [saved.room for saved in rooms if saved.room in self._rooms]
+            if taken:
+                raise ValueError(f"rooms {taken} are already in use")
+            for saved in rooms:
+                r = _Room(saved.room, total_tokens=saved.data.num_tokens, held=saved.data)
+                if saved.sent_tokens:
+                    r.state.advance(KVPoll.Transferring, saved.sent_tokens)
+                    r.suspended_at = time.monotonic()
+                self._rooms[saved.room] = r
 
     def attach_pool(self, pool: BufferPool, allocator: BlockAllocator) -> None:
         """Register a new pool (after sleep), put the kept data back, let writes start again."""
@@ -423,9 +455,9 @@ class EmbeddingSenderManager:
             if r.in_flight and r.suspended_at is None:  # early resume: applied when this round lands
                 r.queued_resume = msg
                 return
-            if r.suspended_at is not None:  # woken (maybe restarted) language side: rebind the room
+            if r.suspended_at is not None:  # woken or restarted language side (or encoder): rebind
                 r.suspended_at = None
-                r.dsts = [dst]
+                r.dsts, r.required_dsts = [dst], 1
             else:
                 slot = next(d for d in r.dsts if d.session_id == msg.session_id)
                 slot.block_ids, slot.allocated_tokens, slot.ready = msg.block_ids, msg.allocated_tokens, True
@@ -438,7 +470,7 @@ class EmbeddingSenderManager:
             return f"resume for unknown or finished room {msg.room}"
         progress = r.state.progress
         if r.suspended_at is not None:  # after a sleep: any state, as long as progress agrees
-            if len(r.dsts) != 1:
+            if len(r.dsts) > 1:
                 return f"room {msg.room} has {len(r.dsts)} destinations; only one can be resumed after sleep"
             if msg.sent_tokens != progress.sent_tokens:
                 return f"resume after sleep at sent_tokens {msg.sent_tokens} != {progress.sent_tokens} already sent"

@@ -8,6 +8,9 @@ side in as many rounds as that side asks for and frees them afterwards.
 Sleep lets running encodes finish, stops every write, keeps each room's source data in host
 memory (``preserve_state=true``) or fails the rooms (``false``), releases the pool and
 offloads the weights; the bootstrap server stays up and reports ``SLEEPING`` so peers wait.
+With a checkpoint folder the kept rooms also go to disk, ``/health`` says ``SLEEPING
+checkpointed`` (peers then wait even while this process is gone), and a worker started on
+that folder boots asleep and continues those rooms after ``/wake_up``.
 """
 
 from __future__ import annotations
@@ -16,18 +19,22 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from connector import checkpoint as checkpoint_files
 from connector.allocator import BlockAllocator, pool_blocks
 from connector.bootstrap import BootstrapServer
 from connector.buffers import AUX_INTS, BufferPool, Embedding
+from connector.checkpoint import CheckpointError
 from connector.config import ConnectorConfig
 from connector.http_util import HTTPError
 from connector.metrics import WorkerMetrics
 from connector.mooncake_transport import MooncakeTransport
 from connector.sender import EmbeddingSenderManager
 from connector.sleep import SleepGate
+from embedding_side import checkpoint
 from embedding_side.encoders import VisionEncoder
 from embedding_side.images import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S, ImageInputError, load_image
 from embedding_side.positions import image_positions
@@ -44,23 +51,37 @@ class ImageLimits:
 
 class EncodeWorker:
     def __init__(self, config: ConnectorConfig, encoder: VisionEncoder, bootstrap_port: int,
-                 limits: ImageLimits | None = None, queue_while_sleeping: bool = False) -> None:
+                 limits: ImageLimits | None = None, queue_while_sleeping: bool = False,
+                 checkpoint_dir: str | None = None) -> None:
         if encoder.hidden_size != config.hidden_size:
             raise ValueError(f"encoder output width {encoder.hidden_size} != configured hidden size {config.hidden_size}")
         self.config, self.encoder, self.limits = config, encoder, limits or ImageLimits()
+        self.checkpoint_dir = checkpoint_dir
         self.pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
         self.allocator = BlockAllocator(config.num_blocks)
         self.transport = MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion)
         self.sender = EmbeddingSenderManager(config, self.transport, self.pool, self.allocator)
         self.gate = SleepGate("encode", queue_while_sleeping, config.max_sleep)
-        self.bootstrap = BootstrapServer(config.host, bootstrap_port,
-                                         health_status=lambda: "SLEEPING" if self.gate.is_sleeping() else "OK")
+        self._on_disk = False  # asleep with every kept room written to the checkpoint folder
+        self.bootstrap = BootstrapServer(config.host, bootstrap_port, health_status=self._bootstrap_health)
         self.bootstrap.put_route(1, 1, config.host, self.sender.rank_port, 0)
         self.metrics = WorkerMetrics("encode", lambda: pool_blocks(self.allocator))
         self._idle = threading.Condition()  # notified when an encode request ends
         self._encode_lock = threading.Lock()  # one forward pass at a time; the cores are few
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
+        self._restart = bool(checkpoint_dir) and checkpoint_files.exists(checkpoint_dir, checkpoint.ROLE)
+        if self._restart:  # a checkpoint waits on disk: boot asleep until /wake_up
+            self.sender.pause()
+            self.sender.detach_pool()
+            self.pool = self.allocator = None
+            self._on_disk = True
+            self.gate.start_asleep()
+
+    def _bootstrap_health(self) -> str:
+        if not self.gate.is_sleeping():
+            return "OK"
+        return "SLEEPING checkpointed" if self._on_disk else "SLEEPING"
 
     def encode(self, rid: str, room: int, image_refs: list[str]) -> dict:
         """Encode one request and start its transfer; returns the HTTP reply body."""
@@ -150,30 +171,57 @@ class EncodeWorker:
                 self.sender.abort_all("the encode worker went to sleep (preserve_state=false)")
             self.sender.pause()
             kept_bytes = self.sender.detach_pool()
+            disk_error = ""
+            if self.checkpoint_dir and preserve_state:
+                written, disk_error = checkpoint_files.save_or_explain(self.checkpoint_dir, lambda: checkpoint.save(
+                    self.checkpoint_dir, self._geometry(), self.sender.held_rooms()))
+                if written is not None:
+                    kept_bytes, self._on_disk = written, True
             self.pool = self.allocator = None
             self.encoder.offload(level)
         seconds = time.monotonic() - start
         self.metrics.slept(level, preserve_state, seconds, kept_bytes)
         log.info("encode worker asleep (level %d, preserve_state=%s): %d bytes kept", level, preserve_state, kept_bytes)
-        return {"changed": True, "is_sleeping": True, "kept_bytes": kept_bytes, "seconds": round(seconds, 4)}
+        reply = {"changed": True, "is_sleeping": True, "kept_bytes": kept_bytes, "seconds": round(seconds, 4)}
+        return {**reply, "checkpoint_error": disk_error} if disk_error else reply
 
     def wake_up(self, discard_checkpoint: bool = False) -> dict:
-        """Reload weights, re-create and register the pool, let the kept rooms continue."""
+        """Reload weights, re-create and register the pool, let the kept rooms continue.
+
+        A worker that booted on a checkpoint verifies it whole first: on any error it stays
+        asleep with nothing loaded (HTTP 422), unless ``discard_checkpoint`` starts it clean.
+        """
         start = time.monotonic()
         with self.gate.waking() as proceed:
             if not proceed:
                 return {"changed": False, "is_sleeping": self.gate.is_sleeping()}
+            if self._restart and not discard_checkpoint:
+                try:
+                    rooms = checkpoint.load(self.checkpoint_dir, self._geometry())
+                except CheckpointError as exc:
+                    raise HTTPError(422, f"{exc}; fix or remove it, or wake with discard_checkpoint=true") from None
+                self.sender.restore(rooms)
             self.encoder.reload()
             self.pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
                                    self.config.dtype, prefault=False)
             self.allocator = BlockAllocator(self.config.num_blocks)
             self.sender.attach_pool(self.pool, self.allocator)
             self.pool.prefault_in_background()
+            if self.checkpoint_dir:
+                checkpoint_files.remove(self.checkpoint_dir, checkpoint.ROLE)
+            self._restart = self._on_disk = False
             rooms = self.sender.active_rooms()
         seconds = time.monotonic() - start
         self.metrics.woke(seconds, rooms)
         log.info("encode worker awake: %d rooms continue", rooms)
         return {"changed": True, "is_sleeping": False, "restored_requests": rooms, "seconds": round(seconds, 4)}
+
+    def _geometry(self) -> dict:
+        """What a checkpoint must agree on with this worker."""
+        model_path = getattr(self.encoder, "model_path", None)
+        return {"block_size": self.config.block_size, "hidden_size": self.config.hidden_size,
+                "dtype": self.config.dtype, "encoder": self.encoder.name,
+                "model_path": str(Path(model_path).resolve()) if model_path else None}
 
     def close(self) -> None:
         self.sender.close()

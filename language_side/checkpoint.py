@@ -38,9 +38,7 @@ def save(folder: str | Path, geometry: dict, requests: list[SavedRequest]) -> in
                 tensors[f"{i}.aux"] = t.aux
             if t.landed:
                 assert t.data is not None
-                tensors[f"{i}.embeddings"] = t.data.embeddings[: t.landed]
-                tensors[f"{i}.fill_ids"] = t.data.fill_ids[: t.landed]
-                tensors[f"{i}.mrope_positions"] = t.data.mrope_positions[:, : t.landed]
+                tensors.update(checkpoint.embedding_tensors(str(i), t.data, t.landed))
         entries.append(entry)
     return checkpoint.save(folder, ROLE, {**geometry, "requests": entries}, tensors)
 
@@ -62,12 +60,7 @@ def _request(i: int, entry: dict, tensors: dict[str, np.ndarray], geometry: dict
         data = None
         if landed:
             data = Embedding.empty(int(total), geometry["hidden_size"], geometry["dtype"])
-            for name, target in (("embeddings", data.embeddings[:landed]), ("fill_ids", data.fill_ids[:landed]),
-                                 ("mrope_positions", data.mrope_positions[:, :landed])):
-                array = tensors[f"{i}.{name}"]
-                if array.shape != target.shape or array.dtype != target.dtype:
-                    raise ValueError(f"tensor {i}.{name} is {array.shape} {array.dtype}, expected {target.shape}")
-                target[...] = array
+            checkpoint.fill_embedding(tensors, str(i), data, landed)
         aux = tensors.get(f"{i}.aux")
         transfer = ReceiverCheckpoint(int(entry["room"]), str(entry["bootstrap_addr"]),
                                       RankRoute(str(t["rank_ip"]), int(t["rank_port"])), landed,

@@ -74,6 +74,7 @@ class LanguageWorker:
         self._transfer: list[_Request] = []
         self._rids: dict[str, _Request] = {}
         self._saved: list[_Request] | None = None  # the in-memory checkpoint while asleep
+        self._disk_error = ""  # why the last sleep's checkpoint did not reach the disk
         self._consumers = ThreadPoolExecutor(1, thread_name_prefix="language-consumer")
         self._stop = threading.Event()
         if checkpoint_dir and checkpoint_files.exists(checkpoint_dir, checkpoint.ROLE):
@@ -121,6 +122,7 @@ class LanguageWorker:
         with self.gate.falling_asleep() as proceed:
             if not proceed:
                 return {"changed": False, "is_sleeping": True}
+            self._disk_error = ""
             with self._step:
                 kept_bytes = self._keep_requests() if preserve_state else self._abort_requests()
                 self._consumers.submit(lambda: None).result()  # consumers hold views into the pool
@@ -129,8 +131,9 @@ class LanguageWorker:
         kept = len(self._saved or [])
         log.info("language worker asleep (level %d, preserve_state=%s): %d requests kept, %d bytes",
                  level, preserve_state, kept, kept_bytes)
-        return {"changed": True, "is_sleeping": True, "kept_requests": kept, "kept_bytes": kept_bytes,
-                "seconds": round(time.monotonic() - start, 4)}
+        reply = {"changed": True, "is_sleeping": True, "kept_requests": kept, "kept_bytes": kept_bytes,
+                 "seconds": round(time.monotonic() - start, 4)}
+        return {**reply, "checkpoint_error": self._disk_error} if self._disk_error else reply
 
     def _keep_requests(self) -> int:
         with self._lock:
@@ -156,7 +159,9 @@ class LanguageWorker:
             self._transfer.clear()
         kept_bytes = sum(r.saved.transfer.landed * (self.pool.row_bytes + 16) for r in kept if r.saved.transfer)
         if self.checkpoint_dir:
-            kept_bytes = checkpoint.save(self.checkpoint_dir, self._geometry(), [r.saved for r in self._saved])
+            written, self._disk_error = checkpoint_files.save_or_explain(self.checkpoint_dir, lambda: checkpoint.save(
+                self.checkpoint_dir, self._geometry(), [r.saved for r in self._saved]))
+            kept_bytes = kept_bytes if written is None else written
         return kept_bytes
 
     def _abort_requests(self) -> int:

@@ -21,16 +21,14 @@ def run(args: argparse.Namespace) -> None:
     from connector.http_util import serve
 
     if args.disaggregation_mode == "encode":
-        if args.checkpoint_dir:
-            raise SystemExit("--checkpoint-dir: only the language worker writes its sleep checkpoint to disk so far; "
-                             "the encode worker keeps it in host memory (drop the flag)")
         from embedding_side.encoders import FakeEncoder, QwenVisionEncoder
         from embedding_side.http_api import build_app
         from embedding_side.worker import EncodeWorker, ImageLimits
 
         encoder = FakeEncoder(config.hidden_size) if args.encoder == "fake" else QwenVisionEncoder(args.model_path)
         worker = EncodeWorker(config, encoder, args.disaggregation_bootstrap_port,
-                              ImageLimits(args.image_max_bytes, args.image_fetch_timeout), args.queue_while_sleeping)
+                              ImageLimits(args.image_max_bytes, args.image_fetch_timeout), args.queue_while_sleeping,
+                              args.checkpoint_dir)
         extra = (f" bootstrap=http://{config.host}:{worker.bootstrap.port} "
                  f"zmq=tcp://{config.host}:{worker.sender.rank_port} encoder={encoder.name}")
     else:

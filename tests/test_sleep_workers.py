@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -16,6 +17,9 @@ import requests
 from test_workers import Pair, assert_pools_free, images  # noqa: F401  (fixture)
 from transfer_large_image import make_image, run_request
 from workers import WorkerProcess
+
+from connector.poll import KVPoll
+from connector.receiver import EmbeddingReceiver, finish_receiving
 
 QUEUE = ("--queue-while-sleeping",)
 
@@ -261,3 +265,114 @@ def test_soak_50_sleep_wake_cycles_while_16_requests_flow(tmp_path: Path) -> Non
     finally:
         stop.set()
         pair.stop()
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_encode_restart_from_checkpoint_dir_continues_rooms_in_every_phase(make_language, images,  # noqa: F811
+                                                                           tmp_path: Path) -> None:
+    """Encoder asleep with a checkpoint, killed, restarted on the same folder and woken: rooms that
+    were between rounds, resumed while it slept, inited while it slept, or never inited all finish
+    with the bytes it encoded, and the language side kept them alive while no process answered."""
+    ckpt = tmp_path / "encode-ckpt"
+    args = ("--encoder", "fake", "--checkpoint-dir", str(ckpt))
+    encode = WorkerProcess("encode", *args)
+    lang = make_language(num_blocks=400, heartbeat_interval=0.5)
+    m, addr = lang.manager, f"127.0.0.1:{encode.bootstrap_port}"
+
+    def post_encode(room: int) -> str:
+        resp = requests.post(f"{encode.url}/encode", json={"rid": f"r{room}", "bootstrap_room": room,
+                                                          "images": [images["4k"]]}, timeout=60)
+        assert resp.status_code == 200 and resp.json()["num_tokens"] == 10549, resp.text
+        return resp.json()["sha256"]
+
+    def init(room: int) -> EmbeddingReceiver:
+        receiver = m.create_receiver(addr, room)
+        receiver.init(m.allocator.allocate(32))  # 4096 of 10549 tokens: more rounds follow
+        return receiver
+
+    try:
+        digests = {room: post_encode(room) for room in (1, 2, 3, 4)}
+        receivers = {1: init(1), 2: init(2)}
+        _wait_for(lambda: all(r.poll() == KVPoll.Transferring for r in receivers.values()), 20, "first rounds")
+        assert sleep_(encode)["kept_bytes"] > 0
+        assert receivers[2].try_resume()  # reaches the sleeping process only
+        receivers[4] = init(4)  # likewise
+        time.sleep(1.0)  # two heartbeats: the language side has seen it asleep with a checkpoint
+        os.kill(encode.proc.pid, signal.SIGKILL)
+        encode.proc.wait()
+        saved = json.loads((ckpt / "encode.json").read_text())
+        assert sorted((e["room"], e["sent_tokens"]) for e in saved["rooms"]) == [(1, 4096), (2, 4096), (3, 0), (4, 0)]
+
+        time.sleep(2.0)  # four heartbeats without an answer: a durable sleeper's rooms must wait
+        assert all(r.poll() != KVPoll.Failed for r in receivers.values())
+        encode = WorkerProcess("encode", *args, bootstrap_port=encode.bootstrap_port)
+        assert "asleep: a checkpoint waits" in encode.ready_line
+        health = requests.get(f"http://{addr}/health", timeout=10)
+        assert health.text == "SLEEPING checkpointed"
+        assert wake(encode).json()["restored_requests"] == 4
+        _wait_for(lambda: m.stats["peer_restarted"] == 1, 10, "the language side to see the new process")
+        receivers[3] = init(3)
+        for room, receiver in receivers.items():
+            emb = finish_receiving(receiver, 60)
+            assert emb.sha256() == digests[room], f"room {room}"
+            emb.release()
+        assert not any(ckpt.iterdir())  # consumed by the wake-up
+        _wait_for(lambda: requests.get(f"{encode.url}/health", timeout=10).json()["free_blocks"] == 512, 10,
+                  "the encode pool to be free")
+    finally:
+        encode.stop()
+
+
+def test_corrupt_or_mismatched_encode_checkpoint_is_refused_whole(images, tmp_path: Path) -> None:  # noqa: F811
+    ckpt = tmp_path / "ckpt"
+    encode = WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", str(ckpt))
+    try:
+        resp = requests.post(f"{encode.url}/encode", json={"rid": "c", "bootstrap_room": 5, "images": [images["2k"]]},
+                             timeout=60)
+        assert resp.status_code == 200
+        assert sleep_(encode)["kept_bytes"] > 0
+        encode.stop()
+        good = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+        assert set(good) == {"encode.json", "encode.safetensors", "encode.sha256"}
+        for damage, args, words in [
+            (("encode.safetensors", lambda b: b[:-7]), (), "corrupt or truncated"),
+            (None, ("--hidden-size", "1024"), "hidden_size=3584; this worker has hidden_size=1024"),
+        ]:
+            if damage:
+                (ckpt / damage[0]).write_bytes(damage[1](good[damage[0]]))
+            encode = WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", str(ckpt), *args)
+            resp = wake(encode)
+            assert resp.status_code == 422 and words in resp.json()["error"], resp.text
+            health = requests.get(f"{encode.url}/health", timeout=10).json()
+            assert health["state"] == "asleep" and health["active_rooms"] == 0
+            encode.stop()
+            for name, data in good.items():
+                (ckpt / name).write_bytes(data)
+        encode = WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", str(ckpt))
+        assert wake(encode, discard_checkpoint="true").json()["restored_requests"] == 0
+        assert not any(ckpt.iterdir())
+    finally:
+        encode.stop()
+
+
+def test_a_checkpoint_that_cannot_be_written_keeps_the_rooms_in_memory(images, tmp_path: Path) -> None:  # noqa: F811
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    encode = WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", str(blocker / "ckpt"))
+    try:
+        resp = requests.post(f"{encode.url}/encode", json={"rid": "w", "bootstrap_room": 6, "images": [images["1k"]]},
+                             timeout=60)
+        assert resp.status_code == 200
+        slept = sleep_(encode)
+        assert f"checkpoint not written to {blocker / 'ckpt'}" in slept["checkpoint_error"]
+        health = requests.get(f"http://127.0.0.1:{encode.bootstrap_port}/health", timeout=10)
+        assert health.text == "SLEEPING"  # not durable: peers must not wait for a restart
+        assert wake(encode).json()["restored_requests"] == 1
+    finally:
+        encode.stop()

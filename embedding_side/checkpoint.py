@@ -1,0 +1,45 @@
+"""The encode worker's checkpoint on disk: each live room's source embedding and its progress."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from connector import checkpoint
+from connector.buffers import AUX_INTS, Embedding
+from connector.checkpoint import CheckpointError
+from connector.sender import SenderRoomCheckpoint
+
+ROLE = "encode"
+
+
+def save(folder: str | Path, geometry: dict, rooms: list[SenderRoomCheckpoint]) -> int:
+    entries, tensors = [], {}
+    for i, saved in enumerate(rooms):
+        entries.append({"room": saved.room, "sent_tokens": saved.sent_tokens, "total_tokens": saved.data.num_tokens})
+        tensors.update(checkpoint.embedding_tensors(str(i), saved.data, saved.data.num_tokens))
+        tensors[f"{i}.aux"] = saved.data.aux
+    return checkpoint.save(folder, ROLE, {**geometry, "rooms": entries}, tensors)
+
+
+def load(folder: str | Path, geometry: dict) -> list[SenderRoomCheckpoint]:
+    """Verified rooms of a checkpoint, or :class:`CheckpointError` (nothing half-loaded)."""
+    meta, tensors = checkpoint.load(folder, ROLE, geometry)
+    try:
+        return [_room(i, entry, tensors, geometry) for i, entry in enumerate(meta["rooms"])]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint in {folder} has a malformed room: {exc!r}") from None
+
+
+def _room(i: int, entry: dict, tensors: dict[str, np.ndarray], geometry: dict) -> SenderRoomCheckpoint:
+    room, sent, total = int(entry["room"]), int(entry["sent_tokens"]), int(entry["total_tokens"])
+    if not 0 <= sent < total:
+        raise ValueError(f"room {room}: sent_tokens {sent} outside [0, {total})")
+    data = Embedding.empty(total, geometry["hidden_size"], geometry["dtype"])
+    checkpoint.fill_embedding(tensors, str(i), data, total)
+    aux = tensors[f"{i}.aux"]
+    if aux.shape != (AUX_INTS,) or aux.dtype != np.int32:
+        raise ValueError(f"tensor {i}.aux is {aux.shape} {aux.dtype}, expected ({AUX_INTS},) int32")
+    data.aux[:] = aux
+    return SenderRoomCheckpoint(room, sent, data)
