@@ -15,6 +15,7 @@ in flight; aborts are acknowledged only then.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -72,6 +73,17 @@ class _Destination:
 
 
 @dataclass
+class _Write:
+    """One round being written: tokens ``[start, end)`` into each destination's blocks as they
+    were when the round started (an early resume may already have replaced them)."""
+
+    start: int
+    end: int
+    dsts: list[_Destination]
+    done: bool = False
+
+
+@dataclass
 class _Room:
     room: int
     state: RoomState = field(default_factory=RoomState)
@@ -79,7 +91,7 @@ class _Room:
     dsts: list[_Destination] = field(default_factory=list)
     src_blocks: list[int] | None = None
     total_tokens: int = 0
-    in_flight: bool = False
+    writes: list[_Write] = field(default_factory=list)  # in token order; at most two (see _maybe_start)
     pending_acks: list[AbortMsg] = field(default_factory=list)
     deadline: float = 0.0
     concluded_at: float | None = None
@@ -87,8 +99,11 @@ class _Room:
     suspended_at: float | None = None  # the language side suspended the room to sleep
     pending_suspend_acks: list[SuspendMsg] = field(default_factory=list)
     held: Embedding | None = None  # source data kept in host memory while this worker sleeps
-    round_end: int = 0  # sent_tokens once the round being written lands
-    queued_resume: ResumeMsg | None = None  # an early resume for the round after the one in flight
+    round_end: int = 0  # sent_tokens once the rounds being written land
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.writes)
 
 
 @dataclass
@@ -140,7 +155,7 @@ class EmbeddingSenderManager:
         self._lock = threading.RLock()
         self._rooms: dict[int, _Room] = {}
         self._peers: dict[str, _Peer] = {}
-        self._work: queue.Queue[int | None] = queue.Queue()
+        self._work: queue.Queue[tuple[_Room, _Write] | None] = queue.Queue()
         self._stop = threading.Event()
         self._paused = False  # this worker sleeps: no write starts, no timeout fires
         self._idle = threading.Condition(self._lock)  # notified when a write finishes
@@ -277,21 +292,30 @@ class EmbeddingSenderManager:
             self._maybe_start(r)
 
     def _maybe_start(self, r: _Room) -> None:
-        """Queue the next round once every destination is ready and the data is there."""
+        """Queue the next round once every destination is ready and the data is there.
+
+        A destination is ready again while a round is still being written only after an early
+        resume; that next round is then written beside it, so no gap separates the two.
+        """
         if r.src_blocks is None or not r.required_dsts or len(r.dsts) < r.required_dsts:
             return
-        if not all(d.ready for d in r.dsts) or r.in_flight or r.state.progress.terminal:
+        if not all(d.ready for d in r.dsts) or len(r.writes) > 1 or r.state.progress.terminal:
             return
         if self._paused or r.suspended_at is not None:
             return
+        start = r.round_end if r.writes else r.state.progress.sent_tokens
+        if start >= r.total_tokens:
+            return
         for d in r.dsts:
             d.ready = False
-        r.in_flight = True
-        start = r.state.progress.sent_tokens
         r.round_end = start + min(r.total_tokens - start, min(d.allocated_tokens for d in r.dsts))
+        write = _Write(start, r.round_end, [dataclasses.replace(d) for d in r.dsts])
+        if r.writes:
+            self.stats["pipelined_rounds"] += 1
+        r.writes.append(write)
         if start == 0 and r.round_end < r.total_tokens and len(r.dsts) == 1:
             self._announce_total(r, r.dsts[0])
-        self._work.put(r.room)
+        self._work.put((r, write))
 
     def _announce_total(self, r: _Room, d: _Destination) -> None:
         """Tell one of our own language peers the total as an oversized first round starts, so it
@@ -452,8 +476,10 @@ class EmbeddingSenderManager:
                 r.state.advance(KVPoll.WaitingForInput)
         else:
             assert r is not None
-            if r.in_flight and r.suspended_at is None:  # early resume: applied when this round lands
-                r.queued_resume = msg
+            if r.in_flight and r.suspended_at is None:  # early resume: its round starts right away
+                slot = r.dsts[0]
+                slot.block_ids, slot.allocated_tokens, slot.ready = msg.block_ids, msg.allocated_tokens, True
+                self._maybe_start(r)
                 return
             if r.suspended_at is not None:  # woken or restarted language side (or encoder): rebind
                 r.suspended_at = None
@@ -477,8 +503,10 @@ class EmbeddingSenderManager:
             return ""
         if not any(d.session_id == msg.session_id for d in r.dsts):
             return f"resume for room {msg.room} from session {msg.session_id}, which did not init it"
-        if r.in_flight and r.queued_resume is None and len(r.dsts) == 1 and msg.sent_tokens == r.round_end:
-            return ""  # early: it continues where the round being written ends
+        if r.in_flight:
+            if len(r.writes) == 1 and len(r.dsts) == 1 and msg.sent_tokens == r.round_end < r.total_tokens:
+                return ""  # early: it continues where the round being written ends
+            return f"resume for room {msg.room} at {msg.sent_tokens} while tokens up to {r.round_end} are being written"
         if progress.status != KVPoll.Transferring:
             return f"resume for room {msg.room} in state {progress.status.name}"
         if msg.sent_tokens != progress.sent_tokens:
@@ -489,31 +517,23 @@ class EmbeddingSenderManager:
 
     def _transfer_worker(self) -> None:
         while True:
-            room = self._work.get()
-            if room is None:
+            item = self._work.get()
+            if item is None:
                 return
+            r, write = item
+            error = "" if r.state.status == KVPoll.Failed else self._write_round(r, write)
             with self._lock:
-                r = self._rooms[room]
-                start = r.state.progress.sent_tokens
-                dsts = list(r.dsts)
-                failed = r.state.status == KVPoll.Failed
-            error = "" if failed else self._write_round(r, start, dsts)
-            with self._lock:
-                r.in_flight = False
-                self._idle.notify_all()
+                write.done = True
                 if error:
                     self._fail(r, error)
-                elif r.state.status != KVPoll.Failed:
-                    self._finish_round(r, start, dsts)
-                if r.state.status == KVPoll.Failed:
-                    self._conclude(r)
-                self._send_suspend_acks(r)
+                self._settle_writes(r)
+                self._idle.notify_all()
 
-    def _write_round(self, r: _Room, start: int, dsts: list[_Destination]) -> str:
+    def _write_round(self, r: _Room, write: _Write) -> str:
         assert r.src_blocks is not None
-        bs = self.config.block_size
+        bs, start = self.config.block_size, write.start
         first_src = start // bs
-        for d in dsts:
+        for d in write.dsts:
             tokens = min(r.total_tokens - start, d.allocated_tokens)
             peer = self._peers.get(d.session_id)
             if peer is None:
@@ -527,23 +547,26 @@ class EmbeddingSenderManager:
             self.stats["bytes_sent"] += plan.nbytes
         return ""
 
-    def _finish_round(self, r: _Room, start: int, dsts: list[_Destination]) -> None:
-        sent = start + min(r.total_tokens - start, min(d.allocated_tokens for d in dsts))
-        status = KVPoll.Success if sent >= r.total_tokens else KVPoll.Transferring
-        r.state.advance(status, sent)
-        # The status goes out before any ack _conclude sends: a peer that sees the ack must
-        # already know how the round ended.
-        for d in dsts:
-            self._status(d.endpoint, d.port, StatusMsg(r.room, status, sent))
-        if status == KVPoll.Success:
-            self._conclude(r)
+    def _settle_writes(self, r: _Room) -> None:
+        """Report finished rounds in token order (a round written beside an earlier one waits for
+        it), then conclude the room or start what comes next."""
+        while r.writes and r.writes[0].done:
+            write = r.writes.pop(0)
+            if r.state.status == KVPoll.Failed:
+                continue
+            status = KVPoll.Success if write.end >= r.total_tokens else KVPoll.Transferring
+            r.state.advance(status, write.end)
+            # The status goes out before any ack _conclude sends: a peer that sees the ack must
+            # already know how the round ended.
+            for d in write.dsts:
+                self._status(d.endpoint, d.port, StatusMsg(r.room, status, write.end))
+            r.deadline = time.monotonic() + self.config.resume_timeout
+        if r.writes:
             return
-        r.deadline = time.monotonic() + self.config.resume_timeout
-        queued, r.queued_resume = r.queued_resume, None
-        if queued is not None:  # the next round was asked for already: go on without a round trip
-            d = dsts[0]
-            d.block_ids, d.allocated_tokens, d.ready = queued.block_ids, queued.allocated_tokens, True
-            r.state.advance(KVPoll.WaitingForInput, sent)
+        if r.state.progress.terminal:
+            self._conclude(r)
+        else:
+            self._send_suspend_acks(r)
             self._maybe_start(r)
 
     # ---- timeouts --------------------------------------------------------------------------
