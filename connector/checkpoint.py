@@ -16,6 +16,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from safetensors.numpy import load as load_tensors
@@ -26,6 +27,7 @@ from connector.buffers import Embedding
 log = logging.getLogger(__name__)
 
 FORMAT = "epd-resume-checkpoint/1"
+T = TypeVar("T")
 
 
 class CheckpointError(ValueError):
@@ -93,6 +95,18 @@ def load(folder: str | Path, role: str, expect: dict) -> tuple[dict, dict[str, n
             raise CheckpointError(f"checkpoint in {folder} was written with {key}={meta.get(key)!r}; "
                                   f"this worker has {key}={value!r}")
     return meta, tensors
+
+
+def load_entries(folder: str | Path, role: str, expect: dict, key: str,
+                 parse: Callable[[int, dict, dict[str, np.ndarray]], T]) -> list[T]:
+    """Load a checkpoint whose JSON lists its entries under ``key``; ``parse(i, entry, tensors)``
+    builds one and raises ``KeyError``/``TypeError``/``ValueError`` on a malformed one, which
+    becomes a :class:`CheckpointError` for the whole checkpoint."""
+    meta, tensors = load(folder, role, expect)
+    try:
+        return [parse(i, entry, tensors) for i, entry in enumerate(meta[key])]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint in {folder} has a malformed entry in {key!r}: {exc!r}") from None
 
 
 def remove(folder: str | Path, role: str) -> None:

@@ -100,6 +100,7 @@ class _Room:
     pending_suspend_acks: list[SuspendMsg] = field(default_factory=list)
     held: Embedding | None = None  # source data kept in host memory while this worker sleeps
     round_end: int = 0  # sent_tokens once the rounds being written land
+    first_write_at: float | None = None  # time.monotonic() as the first round's write began
 
     @property
     def in_flight(self) -> bool:
@@ -131,6 +132,11 @@ class EmbeddingSender:
     @property
     def sent_tokens(self) -> int:
         return self._manager._room(self.room).state.progress.sent_tokens
+
+    @property
+    def first_write_at(self) -> float | None:
+        """``time.monotonic()`` when the first byte of this room started moving (None before)."""
+        return self._manager._room(self.room).first_write_at
 
     @property
     def failure_reason(self) -> str:
@@ -521,6 +527,8 @@ class EmbeddingSenderManager:
             if item is None:
                 return
             r, write = item
+            if r.first_write_at is None:
+                r.first_write_at = time.monotonic()
             error = "" if r.state.status == KVPoll.Failed else self._write_round(r, write)
             with self._lock:
                 write.done = True

@@ -8,7 +8,6 @@ import numpy as np
 
 from connector import checkpoint
 from connector.buffers import AUX_INTS, Embedding
-from connector.checkpoint import CheckpointError
 from connector.sender import SenderRoomCheckpoint
 
 ROLE = "encode"
@@ -25,11 +24,7 @@ def save(folder: str | Path, geometry: dict, rooms: list[SenderRoomCheckpoint]) 
 
 def load(folder: str | Path, geometry: dict) -> list[SenderRoomCheckpoint]:
     """Verified rooms of a checkpoint, or :class:`CheckpointError` (nothing half-loaded)."""
-    meta, tensors = checkpoint.load(folder, ROLE, geometry)
-    try:
-        return [_room(i, entry, tensors, geometry) for i, entry in enumerate(meta["rooms"])]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint in {folder} has a malformed room: {exc!r}") from None
+    return checkpoint.load_entries(folder, ROLE, geometry, "rooms", lambda i, e, t: _room(i, e, t, geometry))
 
 
 def _room(i: int, entry: dict, tensors: dict[str, np.ndarray], geometry: dict) -> SenderRoomCheckpoint:

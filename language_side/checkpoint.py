@@ -10,7 +10,6 @@ import numpy as np
 from connector import checkpoint
 from connector.bootstrap import RankRoute
 from connector.buffers import Embedding
-from connector.checkpoint import CheckpointError
 from connector.receiver import ReceiverCheckpoint
 
 ROLE = "language"
@@ -45,11 +44,7 @@ def save(folder: str | Path, geometry: dict, requests: list[SavedRequest]) -> in
 
 def load(folder: str | Path, geometry: dict) -> list[SavedRequest]:
     """Verified requests of a checkpoint, or :class:`CheckpointError` (nothing half-loaded)."""
-    meta, tensors = checkpoint.load(folder, ROLE, geometry)
-    try:
-        return [_request(i, entry, tensors, geometry) for i, entry in enumerate(meta["requests"])]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint in {folder} has a malformed request: {exc!r}") from None
+    return checkpoint.load_entries(folder, ROLE, geometry, "requests", lambda i, e, t: _request(i, e, t, geometry))
 
 
 def _request(i: int, entry: dict, tensors: dict[str, np.ndarray], geometry: dict) -> SavedRequest:

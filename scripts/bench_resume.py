@@ -64,9 +64,9 @@ def main() -> None:
     times = {(n, m): [] for n in sizes for m in MODES}
     rounds = {}
 
-    def run(mode: str, tokens: int) -> float:
+    def run(mode: str, tokens: int, seed: int) -> float:
         room = next(rooms)
-        digests = peer.call("stage", room=room, tokens=tokens, seed=room)["digests"]
+        digests = peer.call("stage", room=room, tokens=tokens, seed=seed)["digests"]
         t0 = time.perf_counter()
         emb, receiver = receive_embedding(manager, peer.bootstrap_addr, room,
                                           first_blocks=pool.blocks_for(tokens) if mode == "single" else None,
@@ -80,12 +80,12 @@ def main() -> None:
 
     try:
         for mode in MODES:  # warm-up: connections, page faults, first allocations
-            run(mode, max(sizes))
+            run(mode, max(sizes), 0)
         for rep in range(reps):
             for i, tokens in enumerate(sizes):
                 order = MODES[(rep + i) % 3:] + MODES[:(rep + i) % 3]
                 for mode in order:
-                    times[(tokens, mode)].append(run(mode, tokens))
+                    times[(tokens, mode)].append(run(mode, tokens, rep + 1))  # same data in every mode
             print(f"repetition {rep + 1}/{reps} done", file=sys.stderr, flush=True)
         assert allocator.all_free() and peer.call("stats")["free_blocks"] == blocks, "blocks leaked"
     finally:

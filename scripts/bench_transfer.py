@@ -1,11 +1,20 @@
 """Connector throughput next to a plain loopback socket, measured side by side in one run.
 
-For each size the connector time runs from the receiver's init (the sender already holds the
-embedding in its blocks) to the assembled embedding on the receiver, status included. The
-socket time runs from the request to the last byte in a preallocated buffer
-(``sendall``/``recv_into``). Modes are interleaved within each repetition, alternating which
-goes first, so background load hits both alike. Prints a table and, last,
-``ratio_connector_vs_socket_64MiB=<x>`` (median of per-repetition ratios).
+Two intervals per mode, on ``time.monotonic()`` (one clock for both processes):
+
+* from the first byte: connector from the moment the sender's first write starts to the
+  assembled embedding on the receiver, status included; socket from the sender's first
+  ``sendall`` to the last byte in a preallocated buffer (``recv_into``);
+* end to end: from the receiver's init (connector; the sender already holds the embedding in
+  its blocks) or its 8-byte request (socket), so control messages and hand-offs count too.
+
+A third mode, ``mooncake``, times one bare Mooncake write of the same embedding bytes between
+the same two pools (on the sender), to show what the connector adds to its transport.
+
+Modes are interleaved within each repetition, alternating which goes first, so background
+load hits both alike. Prints a table, ``ratio_end_to_end_64MiB=<x>`` and, last,
+``ratio_connector_vs_socket_64MiB=<x>`` (from the first byte); both are medians of
+per-repetition throughput ratios.
 """
 
 from __future__ import annotations
@@ -67,7 +76,9 @@ def main() -> None:
     sock = socket.create_connection(("127.0.0.1", peer.info["socket_port"]))
     landing = np.empty(blocks * 128 * (row_bytes + 16) + 64, np.uint8)
     rooms = itertools.count(1)
-    results: dict[int, dict[str, list[float]]] = {s: {"connector": [], "socket": []} for s in sizes}
+    # per size: mode -> seconds per repetition, from the first byte and end to end
+    results: dict[int, dict[str, list[float]]] = {
+        s: {m: [] for m in ("connector", "socket", "mooncake", "connector_e2e", "socket_e2e")} for s in sizes}
     try:
         # Warm-up: connections, handshakes, page faults on both pools.
         for _ in range(2):
@@ -81,17 +92,27 @@ def main() -> None:
                 nbytes = tokens * (row_bytes + 16) + 64  # embeddings + fill_ids + mrope + aux
                 room = next(rooms)
                 digests = peer.call("stage", room=room, tokens=tokens, seed=room)["digests"]
-                order = ["connector", "socket"] if rep % 2 == 0 else ["socket", "connector"]
-                for mode in order:
-                    t0 = time.perf_counter()
+                modes = ["connector", "socket", "mooncake"]
+                for mode in modes[rep % 3:] + modes[:rep % 3]:
+                    if mode == "mooncake":
+                        times = peer.call("raw_write", session=transport.session_id, dst=pool.embeddings.ctypes.data,
+                                          nbytes=tokens * row_bytes)
+                        results[size][mode].append(times["ended_at"] - times["started_at"])
+                        continue
+                    t0 = time.monotonic()
                     if mode == "connector":
                         emb, _ = receive_embedding(manager, peer.bootstrap_addr, room)
+                        t1 = time.monotonic()
+                        first_byte = peer.call("status", room=room)["first_write_at"]
+                        if emb.digests() != digests:
+                            raise SystemExit(f"digest mismatch at {size} MiB, room {room}")
+                        emb.release()  # before the bare write reuses the same pool bytes
                     else:
                         socket_fetch(sock, memoryview(landing), nbytes)
-                    results[size][mode].append(time.perf_counter() - t0)
-                if emb.digests() != digests:
-                    raise SystemExit(f"digest mismatch at {size} MiB, room {room}")
-                emb.release()
+                        t1 = time.monotonic()
+                        first_byte = peer.call("stats")["socket_send_started_at"]
+                    results[size][mode].append(t1 - first_byte)
+                    results[size][f"{mode}_e2e"].append(t1 - t0)
             print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
         assert allocator.all_free() and peer.call("stats")["free_blocks"] == blocks, "blocks leaked"
     finally:
@@ -101,22 +122,27 @@ def main() -> None:
         peer.close()
 
     print(f"\nconnector ({args.completion} completion) vs loopback socket, {args.reps} repetitions, "
-          f"hidden {args.hidden_size} bf16, medians")
-    print(f"{'size':>8} {'connector ms':>13} {'GB/s':>6} {'socket ms':>10} {'GB/s':>6} {'ratio':>6} {'ratio min..max':>15}")
+          f"hidden {args.hidden_size} bf16, medians; ratio = connector throughput / socket throughput")
+    print(f"{'':>8} {'--- from the first byte ---':>44}   {'--- end to end ---':>26}   {'bare':>11}")
+    print(f"{'size':>8} {'connector ms':>13} {'socket ms':>10} {'ratio':>6} {'min..max':>12}   "
+          f"{'connector ms':>13} {'socket ms':>10} {'ratio':>6}   {'mooncake ms':>11}")
     summary = {}
     for size in sizes:
         tokens = size * MiB // row_bytes
         nbytes = tokens * (row_bytes + 16) + 64
-        c, s = results[size]["connector"], results[size]["socket"]
-        ratios = [b / a for a, b in zip(c, s, strict=True)]  # connector throughput / socket throughput
-        summary[size] = {"connector_s": c, "socket_s": s, "ratios": ratios, "bytes": nbytes,
-                         "ratio_median": statistics.median(ratios)}
-        mc, ms = statistics.median(c), statistics.median(s)
-        print(f"{size:>5}MiB {mc * 1e3:>13.1f} {nbytes / mc / 1e9:>6.2f} {ms * 1e3:>10.1f} {nbytes / ms / 1e9:>6.2f} "
-              f"{statistics.median(ratios):>6.2f} {min(ratios):>7.2f}..{max(ratios):<7.2f}")
+        r = results[size]
+        ratios = [b / a for a, b in zip(r["connector"], r["socket"], strict=True)]
+        e2e = [b / a for a, b in zip(r["connector_e2e"], r["socket_e2e"], strict=True)]
+        summary[size] = {**{f"{m}_s": v for m, v in r.items()}, "bytes": nbytes, "ratios": ratios,
+                         "ratio_median": statistics.median(ratios), "ratio_e2e_median": statistics.median(e2e)}
+        med = {m: statistics.median(v) * 1e3 for m, v in r.items()}
+        print(f"{size:>5}MiB {med['connector']:>13.1f} {med['socket']:>10.1f} {statistics.median(ratios):>6.2f} "
+              f"{min(ratios):>5.2f}..{max(ratios):<5.2f}   {med['connector_e2e']:>13.1f} {med['socket_e2e']:>10.1f} "
+              f"{statistics.median(e2e):>6.2f}   {med['mooncake']:>11.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"completion": args.completion, "reps": args.reps, "sizes": summary}, indent=1))
     if 64 in summary:
+        print(f"ratio_end_to_end_64MiB={summary[64]['ratio_e2e_median']:.3f}")
         print(f"ratio_connector_vs_socket_64MiB={summary[64]['ratio_median']:.3f}")
 
 
