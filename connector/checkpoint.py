@@ -87,6 +87,8 @@ def load(folder: str | Path, role: str, expect: dict) -> tuple[dict, dict[str, n
         tensors = load_tensors(blob)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"checkpoint in {folder} cannot be parsed: {exc}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint in {folder} is not a JSON object")
     if meta.get("format") != FORMAT or meta.get("role") != role:
         raise CheckpointError(f"checkpoint in {folder} is {meta.get('format')!r} for role {meta.get('role')!r}, "
                               f"expected {FORMAT!r} for {role!r}")

@@ -62,7 +62,9 @@ class MooncakeTransport(Transport):
             raise RuntimeError(f"Mooncake initialize({hostname!r}, protocol={protocol!r}, device={device!r}) returned {rc}")
         self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
         self.completion = completion
-        self._rate = _FIRST_RATE_BYTES_PER_S  # bytes/s of recent large writes (moving average)
+        self._rate = _FIRST_RATE_BYTES_PER_S  # bytes/s the link gave recent large writes (moving average)
+        self._writes = 0  # writes under way; they share the link
+        self._writes_lock = threading.Lock()
         self._closed = False
         self._lock = threading.Lock()  # guards close() against concurrent writes
 
@@ -87,6 +89,16 @@ class MooncakeTransport(Transport):
         self._write_polled(peer_session, src_addrs, dst_addrs, lengths)
 
     def _write_polled(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
+        with self._writes_lock:
+            self._writes += 1
+            sharing = self._writes
+        try:
+            self._submit_and_wait(peer, srcs, dsts, lens, sharing)
+        finally:
+            with self._writes_lock:
+                self._writes -= 1
+
+    def _submit_and_wait(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int], sharing: int) -> None:
         start, nbytes = time.perf_counter(), sum(lens)
         pending: list[int] = []
         failures: list[str] = []
@@ -97,6 +109,8 @@ class MooncakeTransport(Transport):
                 break
             pending.append(batch)
         if pending:
+            # Alone on the link it cannot land sooner; beside other writes it lands later and
+            # the poll covers the rest, so this never oversleeps a write that shares the link.
             time.sleep(_SLEEP_SHARE * nbytes / self._rate)
         delay, polls = _POLL_MIN_S, 0
         # Every submitted write must settle before returning, even after a failure, so the
@@ -117,10 +131,11 @@ class MooncakeTransport(Transport):
         if failures:
             raise TransferError(f"write of {nbytes} bytes to {peer}: {failures[0]}")
         if nbytes >= _RATE_SAMPLE_MIN_BYTES:
-            self._learn_rate(nbytes / (time.perf_counter() - start), overslept=polls == 1)
+            # Writes that ran beside others got a share of the link: count the link's rate.
+            shared = (sharing + self._writes) / 2
+            self._learn_rate(nbytes * shared / (time.perf_counter() - start), overslept=polls == 1)
 
     def _learn_rate(self, sample: float, overslept: bool) -> None:
-        """Concurrent writes each see their share of the bandwidth, which is what their sleep needs."""
         if overslept:  # it had landed before the first look, so the sample is only a lower bound
             rate = max(self._rate, sample) * 1.5
         else:

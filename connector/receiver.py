@@ -473,6 +473,8 @@ class EmbeddingReceiverManager:
             if ckpt.room in self._rooms:
                 raise ValueError(f"room {ckpt.room} is already receiving")
             self._routes.setdefault(ckpt.bootstrap_addr, ckpt.route)
+            if ckpt.route.incarnation:  # a new encoder process answers with another one: rebind then
+                self._incarnations.setdefault(ckpt.bootstrap_addr, ckpt.route.incarnation)
             r = EmbeddingReceiver(self, ckpt.bootstrap_addr, ckpt.room, ckpt.route)
             r.total_tokens, r._aux, r.resume_rounds = ckpt.total_tokens, ckpt.aux, ckpt.resume_rounds
             r._out, r._spilled, r._round_end, r._needs_resume = ckpt.data, ckpt.landed, ckpt.landed, True
@@ -628,13 +630,14 @@ class EmbeddingReceiverManager:
     def _rebind(self, addr: str, incarnation: str) -> None:
         """Point the rooms of a restarted encoder at its new rank and repeat what it owes them."""
         with self._lock:
-            rooms = [r for r in self._rooms.values() if r.bootstrap_addr == addr and not r.state.progress.terminal]
+            room = next((r.room for r in self._rooms.values() if r.bootstrap_addr == addr), 0)
         try:
-            route = fetch_route(addr, rooms[0].room if rooms else 0)
+            route = fetch_route(addr, room)
         except ConnectionError as exc:  # asked again at the next heartbeat
             log.warning("encode peer %s restarted but its route is not readable yet: %s", addr, exc)
             return
-        with self._lock:
+        with self._lock:  # rooms created meanwhile took the old route: they are in this list too
+            rooms = [r for r in self._rooms.values() if r.bootstrap_addr == addr and not r.state.progress.terminal]
             self._incarnations[addr] = route.incarnation or incarnation
             old = self._routes.get(addr)
             self._routes[addr] = route
@@ -642,8 +645,7 @@ class EmbeddingReceiverManager:
                 self._registered.discard((old.rank_ip, old.rank_port))
                 self._push.drop(old.rank_ip, old.rank_port)
             for receiver in rooms:
-                if not receiver.state.progress.terminal:
-                    receiver._rebind(route)
+                receiver._rebind(route)
         self.stats["peer_restarted"] += 1
         log.warning("encode peer %s restarted (rank now %s:%d); %d rooms asked again",
                     addr, route.rank_ip, route.rank_port, len(rooms))

@@ -114,6 +114,7 @@ class SenderRoomCheckpoint:
     room: int
     sent_tokens: int
     data: Embedding
+    destinations: int  # required_dst_info_num of its init; 0 before any init arrived
 
 
 class EmbeddingSender:
@@ -221,39 +222,40 @@ class EmbeddingSenderManager:
     def held_rooms(self) -> list[SenderRoomCheckpoint]:
         """The rooms :meth:`detach_pool` kept, for a checkpoint on disk."""
         with self._lock:
-            return [SenderRoomCheckpoint(r.room, r.state.progress.sent_tokens, r.held)
+            return [SenderRoomCheckpoint(r.room, r.state.progress.sent_tokens, r.held, r.required_dsts)
                     for r in self._rooms.values() if r.held is not None and r.concluded_at is None]
 
-    def restore(self, rooms: list[SenderRoomCheckpoint]) -> None:
-        """Put rooms from a checkpoint on disk back (a restarted worker, before :meth:`attach_pool`).
+    def attach_pool(self, pool: BufferPool, allocator: BlockAllocator,
+                    restored: list[SenderRoomCheckpoint] = ()) -> None:
+        """Register a new pool (after sleep), put the kept data back, let writes start again.
 
-        A room that had sent nothing waits for the language side's init again; the others wait
-        for its resume, which rebinds them to whichever language session sends it.
+        ``restored`` are rooms from a checkpoint on disk (a restarted worker). Each waits,
+        suspended, for the language side's init or resume, which rebinds it to whichever
+        language session sends it. Nothing changes unless every room fits in the new pool.
         """
         with self._lock:
-            taken = [saved.room for saved in rooms if saved.room in self._rooms]
+            taken = [saved.room for saved in restored if saved.room in self._rooms]
             if taken:
                 raise ValueError(f"rooms {taken} are already in use")
-            for saved in rooms:
-                r = _Room(saved.room, total_tokens=saved.data.num_tokens, held=saved.data)
+            now = time.monotonic()
+            rooms = [r for r in self._rooms.values() if r.held is not None]
+            for saved in restored:
+                r = _Room(saved.room, total_tokens=saved.data.num_tokens, held=saved.data,
+                          required_dsts=saved.destinations, suspended_at=now)
                 if saved.sent_tokens:
                     r.state.advance(KVPoll.Transferring, saved.sent_tokens)
-                    r.suspended_at = time.monotonic()
-                self._rooms[saved.room] = r
-
-    def attach_pool(self, pool: BufferPool, allocator: BlockAllocator) -> None:
-        """Register a new pool (after sleep), put the kept data back, let writes start again."""
-        with self._lock:
-            self.pool, self.allocator = pool, allocator
+                rooms.append(r)
+            placed = [allocator.allocate(pool.blocks_for(r.held.num_tokens)) for r in rooms]
+            if None in placed:
+                raise RuntimeError(f"the new pool ({allocator.num_blocks} blocks) cannot hold the "
+                                   f"{len(rooms)} rooms kept over sleep")
             self.transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
-            now = time.monotonic()
+            self.pool, self.allocator = pool, allocator
+            for r, blocks in zip(rooms, placed, strict=True):
+                pool.write(blocks, r.held)
+                r.src_blocks, r.held = blocks, None
+                self._rooms[r.room] = r
             for r in self._rooms.values():
-                if r.held is not None:
-                    blocks = allocator.allocate(pool.blocks_for(r.held.num_tokens))
-                    if blocks is None:
-                        raise RuntimeError("the new pool cannot hold the rooms kept over sleep")
-                    pool.write(blocks, r.held)
-                    r.src_blocks, r.held = blocks, None
                 r.deadline = max(r.deadline, now + self.config.resume_timeout)
             self._paused = False
             for r in list(self._rooms.values()):
@@ -477,6 +479,7 @@ class EmbeddingSenderManager:
                              StatusMsg(msg.room, KVPoll.Failed, 0, f"room {msg.room} already initialised"))
                 return
             r.required_dsts = msg.required_dst_info_num
+            r.suspended_at = None  # a room restored from disk, asked for again from token 0
             r.dsts.append(dst)
             if len(r.dsts) == r.required_dsts:
                 r.state.advance(KVPoll.WaitingForInput)
@@ -502,8 +505,9 @@ class EmbeddingSenderManager:
             return f"resume for unknown or finished room {msg.room}"
         progress = r.state.progress
         if r.suspended_at is not None:  # after a sleep: any state, as long as progress agrees
-            if len(r.dsts) > 1:
-                return f"room {msg.room} has {len(r.dsts)} destinations; only one can be resumed after sleep"
+            if max(len(r.dsts), r.required_dsts) > 1:
+                return (f"room {msg.room} has {max(len(r.dsts), r.required_dsts)} destinations; "
+                        "only one can be resumed after sleep")
             if msg.sent_tokens != progress.sent_tokens:
                 return f"resume after sleep at sent_tokens {msg.sent_tokens} != {progress.sent_tokens} already sent"
             return ""

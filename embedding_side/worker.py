@@ -32,7 +32,7 @@ from connector.config import ConnectorConfig
 from connector.http_util import HTTPError
 from connector.metrics import WorkerMetrics
 from connector.mooncake_transport import MooncakeTransport
-from connector.sender import EmbeddingSenderManager
+from connector.sender import EmbeddingSenderManager, SenderRoomCheckpoint
 from connector.sleep import SleepGate
 from embedding_side import checkpoint
 from embedding_side.encoders import VisionEncoder
@@ -195,17 +195,13 @@ class EncodeWorker:
         with self.gate.waking() as proceed:
             if not proceed:
                 return {"changed": False, "is_sleeping": self.gate.is_sleeping()}
-            if self._restart and not discard_checkpoint:
-                try:
-                    rooms = checkpoint.load(self.checkpoint_dir, self._geometry())
-                except CheckpointError as exc:
-                    raise HTTPError(422, f"{exc}; fix or remove it, or wake with discard_checkpoint=true") from None
-                self.sender.restore(rooms)
+            restored = self._load_checkpoint() if self._restart and not discard_checkpoint else []
             self.encoder.reload()
-            self.pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
-                                   self.config.dtype, prefault=False)
-            self.allocator = BlockAllocator(self.config.num_blocks)
-            self.sender.attach_pool(self.pool, self.allocator)
+            pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
+                              self.config.dtype, prefault=False)
+            allocator = BlockAllocator(self.config.num_blocks)
+            self.sender.attach_pool(pool, allocator, restored)
+            self.pool, self.allocator = pool, allocator
             self.pool.prefault_in_background()
             if self.checkpoint_dir:
                 checkpoint_files.remove(self.checkpoint_dir, checkpoint.ROLE)
@@ -215,6 +211,18 @@ class EncodeWorker:
         self.metrics.woke(seconds, rooms)
         log.info("encode worker awake: %d rooms continue", rooms)
         return {"changed": True, "is_sleeping": False, "restored_requests": rooms, "seconds": round(seconds, 4)}
+
+    def _load_checkpoint(self) -> list[SenderRoomCheckpoint]:
+        """The verified rooms of the checkpoint this worker booted on, or HTTP 422."""
+        try:
+            rooms = checkpoint.load(self.checkpoint_dir, self._geometry())
+            need = sum(-(-saved.data.num_tokens // self.config.block_size) for saved in rooms)
+            if need > self.config.num_blocks:
+                raise CheckpointError(f"checkpoint in {self.checkpoint_dir} holds {need} blocks of rooms; "
+                                      f"this worker's pool has {self.config.num_blocks}")
+        except CheckpointError as exc:
+            raise HTTPError(422, f"{exc}; fix or remove it, or wake with discard_checkpoint=true") from None
+        return rooms
 
     def _geometry(self) -> dict:
         """What a checkpoint must agree on with this worker."""

@@ -32,7 +32,8 @@ def save(folder: str | Path, geometry: dict, requests: list[SavedRequest]) -> in
         t = req.transfer
         if t is not None:
             entry["transfer"] = {"landed": t.landed, "total_tokens": t.total_tokens, "resume_rounds": t.resume_rounds,
-                                 "rank_ip": t.route.rank_ip, "rank_port": t.route.rank_port}
+                                 "rank_ip": t.route.rank_ip, "rank_port": t.route.rank_port,
+                                 "incarnation": t.route.incarnation}
             if t.aux is not None:
                 tensors[f"{i}.aux"] = t.aux
             if t.landed:
@@ -58,6 +59,6 @@ def _request(i: int, entry: dict, tensors: dict[str, np.ndarray], geometry: dict
             checkpoint.fill_embedding(tensors, str(i), data, landed)
         aux = tensors.get(f"{i}.aux")
         transfer = ReceiverCheckpoint(int(entry["room"]), str(entry["bootstrap_addr"]),
-                                      RankRoute(str(t["rank_ip"]), int(t["rank_port"])), landed,
+                                      RankRoute(str(t["rank_ip"]), int(t["rank_port"]), t.get("incarnation")), landed,
                                       None if total is None else int(total), aux, int(t["resume_rounds"]), data)
     return SavedRequest(str(entry["rid"]), str(entry["bootstrap_addr"]), int(entry["room"]), transfer)

@@ -343,6 +343,7 @@ def test_corrupt_or_mismatched_encode_checkpoint_is_refused_whole(images, tmp_pa
         for damage, args, words in [
             (("encode.safetensors", lambda b: b[:-7]), (), "corrupt or truncated"),
             (None, ("--hidden-size", "1024"), "hidden_size=3584; this worker has hidden_size=1024"),
+            (None, ("--embedding-cache-buffer-size", "16"), "holds 42 blocks of rooms; this worker's pool has 16"),
         ]:
             if damage:
                 (ckpt / damage[0]).write_bytes(damage[1](good[damage[0]]))
@@ -375,4 +376,39 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_rooms_in_memory(images, t
         assert health.text == "SLEEPING"  # not durable: peers must not wait for a restart
         assert wake(encode).json()["restored_requests"] == 1
     finally:
+        encode.stop()
+
+
+def test_both_workers_restart_from_their_checkpoints(images, tmp_path: Path) -> None:  # noqa: F811
+    """Language inits and sleeps, the image is encoded while it sleeps, the encoder sleeps, both
+    are killed and restarted on their folders: the language side notices the new encoder by its
+    incarnation, and the transfer completes for a client that asks again."""
+    enc_dir, lang_dir = str(tmp_path / "encode"), str(tmp_path / "language")
+    encode = WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", enc_dir)
+    lang_env = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5"}
+    language = WorkerProcess("language", "--checkpoint-dir", lang_dir, env=lang_env)
+    body = {"rid": "both", "bootstrap_host": "127.0.0.1", "bootstrap_port": encode.bootstrap_port,
+            "bootstrap_room": 77}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(requests.post, f"{language.url}/generate", json=body, timeout=60)
+            time.sleep(1.0)  # inited; the encoder has no data for the room yet
+            assert sleep_(language)["kept_requests"] == 1
+            enc = requests.post(f"{encode.url}/encode", json={"rid": "both", "bootstrap_room": 77,
+                                                              "images": [images["4k"]]}, timeout=60)
+            assert enc.status_code == 200
+            assert sleep_(encode)["kept_bytes"] > 0
+            for worker in (language, encode):
+                os.kill(worker.proc.pid, signal.SIGKILL)
+                worker.proc.wait()
+        encode = WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", enc_dir,
+                               bootstrap_port=encode.bootstrap_port)
+        language = WorkerProcess("language", "--checkpoint-dir", lang_dir, env=lang_env)
+        assert wake(encode).json()["restored_requests"] == 1
+        assert wake(language).json()["restored_requests"] == 1
+        result = requests.post(f"{language.url}/generate", json=body, timeout=60).json()
+        assert result["sha256"] == enc.json()["sha256"], result
+        assert not any(Path(enc_dir).iterdir()) and not any(Path(lang_dir).iterdir())
+    finally:
+        language.stop()
         encode.stop()
