@@ -60,10 +60,14 @@ class ConnectorConfig:
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """Whole blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
     @property
     def default_allocate_blocks(self) -> int:
         """The default allocation, rounded up to whole blocks."""
-        return -(-self.default_allocate_tokens // self.block_size)
+        return self.blocks_for(self.default_allocate_tokens)
 
     @property
     def pool_bytes(self) -> int:

@@ -9,6 +9,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from connector.checkpoint import CheckpointError
+
 
 class HTTPError(Exception):
     """An error with the HTTP status it maps to; the message goes to the client as is."""
@@ -62,6 +64,8 @@ async def errors_as_json(request: web.Request, handler: Callable[[web.Request], 
         return await handler(request)
     except HTTPError as exc:
         return json_error(exc.status, exc.message, exc.headers)
+    except CheckpointError as exc:  # a wake-up refused its checkpoint; nothing was loaded
+        return json_error(422, f"{exc}; fix or remove it, or wake with discard_checkpoint=true")
     except web.HTTPException as exc:
         return json_error(exc.status, exc.reason or "error")
 

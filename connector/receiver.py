@@ -614,6 +614,8 @@ class EmbeddingReceiverManager:
             if sleeping:
                 self._sleeping_peers.setdefault(addr, time.monotonic())
                 if text.startswith("SLEEPING checkpointed"):
+                    if addr not in self._durable_peers:
+                        self.stats["durable_sleepers_seen"] += 1
                     self._durable_peers.add(addr)
                 else:
                     self._durable_peers.discard(addr)

@@ -189,7 +189,8 @@ class EncodeWorker:
         """Reload weights, re-create and register the pool, let the kept rooms continue.
 
         A worker that booted on a checkpoint verifies it whole first: on any error it stays
-        asleep with nothing loaded (HTTP 422), unless ``discard_checkpoint`` starts it clean.
+        asleep with nothing loaded (:class:`CheckpointError`, HTTP 422), unless
+        ``discard_checkpoint`` starts it clean.
         """
         start = time.monotonic()
         with self.gate.waking() as proceed:
@@ -213,15 +214,12 @@ class EncodeWorker:
         return {"changed": True, "is_sleeping": False, "restored_requests": rooms, "seconds": round(seconds, 4)}
 
     def _load_checkpoint(self) -> list[SenderRoomCheckpoint]:
-        """The verified rooms of the checkpoint this worker booted on, or HTTP 422."""
-        try:
-            rooms = checkpoint.load(self.checkpoint_dir, self._geometry())
-            need = sum(-(-saved.data.num_tokens // self.config.block_size) for saved in rooms)
-            if need > self.config.num_blocks:
-                raise CheckpointError(f"checkpoint in {self.checkpoint_dir} holds {need} blocks of rooms; "
-                                      f"this worker's pool has {self.config.num_blocks}")
-        except CheckpointError as exc:
-            raise HTTPError(422, f"{exc}; fix or remove it, or wake with discard_checkpoint=true") from None
+        """The verified rooms of the checkpoint this worker booted on, or :class:`CheckpointError`."""
+        rooms = checkpoint.load(self.checkpoint_dir, self._geometry())
+        need = sum(self.config.blocks_for(saved.data.num_tokens) for saved in rooms)
+        if need > self.config.num_blocks:
+            raise CheckpointError(f"checkpoint in {self.checkpoint_dir} holds {need} blocks of rooms; "
+                                  f"this worker's pool has {self.config.num_blocks}")
         return rooms
 
     def _geometry(self) -> dict:

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from connector import checkpoint as checkpoint_files
 from connector.allocator import BlockAllocator, pool_blocks
 from connector.buffers import BufferPool, Embedding
-from connector.checkpoint import CheckpointError
 from connector.config import ConnectorConfig
 from connector.http_util import HTTPError
 from connector.metrics import WorkerMetrics
@@ -192,10 +191,7 @@ class LanguageWorker:
             from_disk = saved is None and bool(self.checkpoint_dir) and not discard_checkpoint \
                 and checkpoint_files.exists(self.checkpoint_dir, checkpoint.ROLE)
             if from_disk:
-                try:
-                    loaded = checkpoint.load(self.checkpoint_dir, self._geometry())
-                except CheckpointError as exc:
-                    raise HTTPError(422, f"{exc}; fix or remove it, or wake with discard_checkpoint=true") from None
+                loaded = checkpoint.load(self.checkpoint_dir, self._geometry())  # CheckpointError: HTTP 422
                 saved = [_Request(s.rid, s.bootstrap_addr, s.room, saved=s, restored_from_disk=True) for s in loaded]
             self.pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
                                    self.config.dtype, prefault=False)

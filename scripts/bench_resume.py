@@ -28,13 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peer_control import EncodePeer  # noqa: E402
+from peer_control import EncodePeer, assert_blocks_back, close_receiving_side, receiving_side  # noqa: E402
 
-from connector.allocator import BlockAllocator  # noqa: E402
-from connector.buffers import BufferPool  # noqa: E402
 from connector.config import ConnectorConfig  # noqa: E402
-from connector.mooncake_transport import MooncakeTransport  # noqa: E402
-from connector.receiver import EmbeddingReceiverManager, receive_embedding  # noqa: E402
+from connector.receiver import receive_embedding  # noqa: E402
 
 SIZES = (4096, 8192, 8193, 16384, 32768, 65536)
 MODES = ("single", "resume", "clone-concat")
@@ -56,10 +53,8 @@ def main() -> None:
     blocks = -(-max(sizes) // 128) + 8
     config = ConnectorConfig(num_blocks=blocks, hidden_size=HIDDEN)  # default allocation: 8192 tokens
     peer = EncodePeer("--num-blocks", str(blocks), "--hidden-size", str(HIDDEN))
-    pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
-    allocator = BlockAllocator(config.num_blocks)
-    transport = MooncakeTransport(config.host)
-    manager = EmbeddingReceiverManager(config, transport, pool, allocator)
+    manager = receiving_side(config)
+    pool = manager.pool
     rooms = itertools.count(1)
     times = {(n, m): [] for n in sizes for m in MODES}
     rounds = {}
@@ -87,10 +82,9 @@ def main() -> None:
                 for mode in order:
                     times[(tokens, mode)].append(run(mode, tokens, rep + 1))  # same data in every mode
             print(f"repetition {rep + 1}/{reps} done", file=sys.stderr, flush=True)
-        assert allocator.all_free() and peer.call("stats")["free_blocks"] == blocks, "blocks leaked"
+        assert_blocks_back(peer, manager)
     finally:
-        manager.close()
-        transport.close()
+        close_receiving_side(manager)
         peer.close()
 
     rows = []

@@ -34,13 +34,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peer_control import EncodePeer  # noqa: E402
+from peer_control import EncodePeer, assert_blocks_back, close_receiving_side, receiving_side  # noqa: E402
 
-from connector.allocator import BlockAllocator  # noqa: E402
-from connector.buffers import BufferPool  # noqa: E402
 from connector.config import ConnectorConfig  # noqa: E402
-from connector.mooncake_transport import MooncakeTransport  # noqa: E402
-from connector.receiver import EmbeddingReceiverManager, receive_embedding  # noqa: E402
+from connector.receiver import receive_embedding  # noqa: E402
 
 MiB = 1 << 20
 
@@ -69,10 +66,8 @@ def main() -> None:
                              default_allocate_tokens=blocks * 128)  # one round: measure the data path
     peer = EncodePeer("--num-blocks", str(blocks), "--hidden-size", str(args.hidden_size),
                       "--completion", args.completion)
-    pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
-    allocator = BlockAllocator(config.num_blocks)
-    transport = MooncakeTransport(config.host, completion=config.completion)
-    manager = EmbeddingReceiverManager(config, transport, pool, allocator)
+    manager = receiving_side(config)
+    pool, transport = manager.pool, manager.transport
     sock = socket.create_connection(("127.0.0.1", peer.info["socket_port"]))
     landing = np.empty(blocks * 128 * (row_bytes + 16) + 64, np.uint8)
     rooms = itertools.count(1)
@@ -114,11 +109,10 @@ def main() -> None:
                     results[size][mode].append(t1 - first_byte)
                     results[size][f"{mode}_e2e"].append(t1 - t0)
             print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
-        assert allocator.all_free() and peer.call("stats")["free_blocks"] == blocks, "blocks leaked"
+        assert_blocks_back(peer, manager)
     finally:
         sock.close()
-        manager.close()
-        transport.close()
+        close_receiving_side(manager)
         peer.close()
 
     print(f"\nconnector ({args.completion} completion) vs loopback socket, {args.reps} repetitions, "

@@ -11,6 +11,12 @@ from pathlib import Path
 
 import zmq
 
+from connector.allocator import BlockAllocator
+from connector.buffers import BufferPool
+from connector.config import ConnectorConfig
+from connector.mooncake_transport import MooncakeTransport
+from connector.receiver import EmbeddingReceiverManager
+
 PEER_SCRIPT = Path(__file__).resolve().parent / "connector_peer.py"
 
 
@@ -60,3 +66,22 @@ class EncodePeer:
                 self.proc.wait()
         self._sock.close()
         self._ctx.term()
+
+
+def receiving_side(config: ConnectorConfig) -> EmbeddingReceiverManager:
+    """A language-side receiver manager with its own pool and Mooncake engine, for benchmarks;
+    end it with :func:`close_receiving_side`."""
+    transport = MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion)
+    pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
+    return EmbeddingReceiverManager(config, transport, pool, BlockAllocator(config.num_blocks))
+
+
+def close_receiving_side(manager: EmbeddingReceiverManager) -> None:
+    manager.close()
+    manager.transport.close()
+
+
+def assert_blocks_back(peer: EncodePeer, manager: EmbeddingReceiverManager) -> None:
+    """Every block of both pools is free again (a benchmark leaks nothing)."""
+    stats = peer.call("stats")
+    assert manager.allocator.all_free() and stats["free_blocks"] == stats["num_blocks"], "blocks leaked"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from test_faults import wait_for
 from test_workers import Pair, assert_pools_free, images  # noqa: F401  (fixture)
 from transfer_large_image import make_image, run_request
 from workers import WorkerProcess
@@ -267,13 +268,6 @@ def test_soak_50_sleep_wake_cycles_while_16_requests_flow(tmp_path: Path) -> Non
         pair.stop()
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_encode_restart_from_checkpoint_dir_continues_rooms_in_every_phase(make_language, images,  # noqa: F811
                                                                            tmp_path: Path) -> None:
     """Encoder asleep with a checkpoint, killed, restarted on the same folder and woken: rooms that
@@ -299,11 +293,11 @@ def test_encode_restart_from_checkpoint_dir_continues_rooms_in_every_phase(make_
     try:
         digests = {room: post_encode(room) for room in (1, 2, 3, 4)}
         receivers = {1: init(1), 2: init(2)}
-        _wait_for(lambda: all(r.poll() == KVPoll.Transferring for r in receivers.values()), 20, "first rounds")
+        wait_for(lambda: all(r.poll() == KVPoll.Transferring for r in receivers.values()), 20, "first rounds")
         assert sleep_(encode)["kept_bytes"] > 0
         assert receivers[2].try_resume()  # reaches the sleeping process only
         receivers[4] = init(4)  # likewise
-        time.sleep(1.0)  # two heartbeats: the language side has seen it asleep with a checkpoint
+        wait_for(lambda: m.stats["durable_sleepers_seen"] == 1, 10, "the language side to see it asleep on disk")
         os.kill(encode.proc.pid, signal.SIGKILL)
         encode.proc.wait()
         saved = json.loads((ckpt / "encode.json").read_text())
@@ -316,14 +310,14 @@ def test_encode_restart_from_checkpoint_dir_continues_rooms_in_every_phase(make_
         health = requests.get(f"http://{addr}/health", timeout=10)
         assert health.text == "SLEEPING checkpointed"
         assert wake(encode).json()["restored_requests"] == 4
-        _wait_for(lambda: m.stats["peer_restarted"] == 1, 10, "the language side to see the new process")
+        wait_for(lambda: m.stats["peer_restarted"] == 1, 10, "the language side to see the new process")
         receivers[3] = init(3)
         for room, receiver in receivers.items():
             emb = finish_receiving(receiver, 60)
             assert emb.sha256() == digests[room], f"room {room}"
             emb.release()
         assert not any(ckpt.iterdir())  # consumed by the wake-up
-        _wait_for(lambda: requests.get(f"{encode.url}/health", timeout=10).json()["free_blocks"] == 512, 10,
+        wait_for(lambda: requests.get(f"{encode.url}/health", timeout=10).json()["free_blocks"] == 512, 10,
                   "the encode pool to be free")
     finally:
         encode.stop()
