@@ -12,9 +12,10 @@ A third mode, ``mooncake``, times one bare Mooncake write of the same embedding 
 the same two pools (on the sender), to show what the connector adds to its transport.
 
 Modes are interleaved within each repetition, alternating which goes first, so background
-load hits both alike. Prints a table, ``ratio_end_to_end_64MiB=<x>`` and, last,
-``ratio_connector_vs_socket_64MiB=<x>`` (from the first byte); both are medians of
-per-repetition throughput ratios.
+load hits both alike. Prints a table, ``ratio_end_to_end_64MiB=<x>``, a bootstrap 95%
+interval for the median from the first byte (``ratio_64MiB_95ci=<lo>..<hi>``: how far this
+run's noise leaves it) and, last, ``ratio_connector_vs_socket_64MiB=<x>`` (from the first byte);
+ratios are medians of per-repetition throughput ratios.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import socket
 import statistics
 import struct
@@ -49,10 +51,17 @@ def socket_fetch(sock: socket.socket, buf: memoryview, n: int) -> None:
         got += sock.recv_into(buf[got:n])
 
 
+def median_interval(values: list[float], draws: int = 2000) -> tuple[float, float]:
+    """Bootstrap 95% interval of the median (seeded: the same numbers give the same interval)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[draws // 40], medians[draws - 1 - draws // 40]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="16,64,256", help="embedding sizes in MiB")
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--hidden-size", type=int, default=3584)
     ap.add_argument("--completion", choices=["poll", "sync"], default="poll")
     ap.add_argument("--json", help="write the raw numbers here")
@@ -136,7 +145,9 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"completion": args.completion, "reps": args.reps, "sizes": summary}, indent=1))
     if 64 in summary:
+        low, high = median_interval(summary[64]["ratios"])
         print(f"ratio_end_to_end_64MiB={summary[64]['ratio_e2e_median']:.3f}")
+        print(f"ratio_64MiB_95ci={low:.3f}..{high:.3f}")
         print(f"ratio_connector_vs_socket_64MiB={summary[64]['ratio_median']:.3f}")
 
 

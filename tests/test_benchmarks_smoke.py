@@ -25,7 +25,11 @@ def test_bench_resume_quick_writes_table_json_csv_and_plot(tmp_path: Path) -> No
 
 
 def test_bench_transfer_runs_and_prints_its_ratio() -> None:
-    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_transfer.py"), "--sizes", "16,64", "--reps", "1"],
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_transfer.py"), "--sizes", "16,64", "--reps", "3"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert re.fullmatch(r"ratio_connector_vs_socket_64MiB=\d+\.\d+", out.stdout.strip().splitlines()[-1])
+    *_, interval, last = out.stdout.strip().splitlines()
+    ratio = re.fullmatch(r"ratio_connector_vs_socket_64MiB=(\d+\.\d+)", last)
+    bounds = re.fullmatch(r"ratio_64MiB_95ci=(\d+\.\d+)\.\.(\d+\.\d+)", interval)
+    assert ratio and bounds, out.stdout[-2000:]
+    assert float(bounds[1]) <= float(ratio[1]) <= float(bounds[2])
