@@ -109,13 +109,17 @@ def main() -> int:
         # assembled and digested (transfer rounds, resumes, assembly); total ms: both together.
         print(f"{'request':<14} {'images':>6} {'tokens':>7} {'MiB':>7} {'resumes':>7} {'encode ms':>10} "
               f"{'after-encode ms':>15} {'total ms':>9}  digest", flush=True)
+        # Progress on a terminal is one line rewritten in place; in a log it would garble the table.
+        progress = sys.stderr.isatty()
         for i, (name, paths) in enumerate(jobs):
-            print(f"\r[{i}/{len(jobs)}] {name} ...", end="", file=sys.stderr, flush=True)
+            if progress:
+                print(f"\r[{i}/{len(jobs)}] {name} ...", end="", file=sys.stderr, flush=True)
             res = run_request(encode_url, language_url, bootstrap_port, f"{name}-{i}", random.getrandbits(40),
                               paths, args.timeout)
             res.update(name=name, images=len(paths))
             results.append(res)
-            print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+            if progress:
+                print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
             if "error" in res:
                 print(f"{name:<14} {len(paths):>6}  ERROR {res['encode_status']}/{res['language_status']}: {res['error']}",
                       flush=True)

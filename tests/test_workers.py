@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -209,9 +212,6 @@ def test_encoder_dying_mid_request_gives_a_5xx_naming_the_peer(images) -> None:
 
 
 def test_help_states_defaults_and_pool_bytes_without_sglang() -> None:
-    import subprocess
-    import sys
-
     out = subprocess.run([sys.executable, "-m", "sglang_ext.launch_server", "--help"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent, check=True).stdout
     assert "--disaggregation-mode {encode,language}" in out
@@ -219,3 +219,16 @@ def test_help_states_defaults_and_pool_bytes_without_sglang() -> None:
     for flag in ("--disaggregation-bootstrap-port", "--disaggregation-transfer-backend", "--disaggregation-ib-device",
                  "--model-path", "--tp-size", "SGLANG_EMBEDDING_DEFAULT_ALLOCATE_BUFFER_SIZE"):
         assert flag in out
+
+
+def test_the_readme_main_job_pushes_a_4k_image_through_a_resume_round(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parent.parent
+    make_image(3840, 2160, seed=5).save(tmp_path / "4k.png")
+    out = subprocess.run([sys.executable, str(root / "scripts" / "transfer_large_image.py"), str(tmp_path / "4k.png"),
+                          "--json", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].split()[:2] == ["request", "images"]
+    assert lines[-1] == "1/1 requests matched, 1 resume rounds in all"
+    (result,) = json.loads((tmp_path / "out.json").read_text())
+    assert (result["tokens"], result["resume_rounds"], result["match"]) == (10549, 1, True)
