@@ -39,7 +39,9 @@ class ConnectorConfig:
     resume_timeout: float = 300.0  # encode side: a partial room waiting for its resume
     heartbeat_interval: float = 5.0
     heartbeat_max_failures: int = 2
-    abort_ack_timeout: float = 10.0  # then the peer is declared dead and its blocks freed
+    # Then the peer is declared dead for the room and its blocks freed. Longer than an encoder's
+    # longest write (MC_TRANSFER_TIMEOUT 10 s + its size at 0.5 GB/s), so no late byte lands.
+    abort_ack_timeout: float = 15.0
     transfer_workers: int = 2
     max_sleep: float = 3600.0  # a sleeping peer's rooms are kept this long, then fail
 

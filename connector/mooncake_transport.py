@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 MOONCAKE_ENV_DEFAULTS = {
     "MC_TCP_PROGRESS_TIMEOUT_SEC": "3",
     "MC_TRANSFER_TIMEOUT": "10",
+    "MC_TCP_STATUS_TIMEOUT_SEC": "5",  # a peer that took the bytes but never acknowledges them
     "MC_LOG_LEVEL": "ERROR",
 }
 COMPLETIONS = ("poll", "sync")
@@ -42,6 +43,8 @@ _FIRST_RATE_BYTES_PER_S = 5e9
 _RATE_SAMPLE_MIN_BYTES = 4 << 20  # smaller writes are dominated by fixed costs
 _RATE_WEIGHT = 0.3  # of the newest sample in the moving average
 _RATE_FLOOR = 0.5e9  # a burst of slow writes must not make the next one sleep long past its end
+# transfer_submit_write's failure value: 0 up to 0.3.13, (batch_id_t)-1 in later releases.
+_SUBMIT_FAILED = (0, 2**64 - 1)
 
 
 class MooncakeTransport(Transport):
@@ -65,10 +68,12 @@ class MooncakeTransport(Transport):
         self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
         self.completion = completion
         self._rate = _FIRST_RATE_BYTES_PER_S  # bytes/s the link gave recent large writes (moving average)
-        self._writes = 0  # writes under way; they share the link
-        self._writes_lock = threading.Lock()
+        # Mooncake's own timeouts settle every TCP write well within this; past it, something
+        # below us hangs and the write is reported failed instead of waited on for ever.
+        self._settle_timeout_s = float(os.environ["MC_TRANSFER_TIMEOUT"])
+        self._writes = 0  # writes under way: they share the link, and close() waits for them
+        self._writes_changed = threading.Condition()
         self._closed = False
-        self._lock = threading.Lock()  # guards close() against concurrent writes
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         for addr, length in regions:
@@ -81,41 +86,43 @@ class MooncakeTransport(Transport):
                 log.warning("Mooncake unregister_memory(%#x) failed", addr)
 
     def write(self, peer_session: str, src_addrs: list[int], dst_addrs: list[int], lengths: list[int]) -> None:
-        if self._closed:
-            raise TransferError("transport is closed")
-        if self.completion == "sync":
-            rc = self._engine.batch_transfer_sync_write(peer_session, src_addrs, dst_addrs, lengths)
-            if rc != 0:
-                raise TransferError(f"write of {sum(lengths)} bytes to {peer_session} failed (rc={rc})")
-            return
-        self._write_polled(peer_session, src_addrs, dst_addrs, lengths)
-
-    def _write_polled(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
-        with self._writes_lock:
+        with self._writes_changed:
+            if self._closed:
+                raise TransferError("transport is closed")
             self._writes += 1
             sharing = self._writes
         try:
-            self._submit_and_wait(peer, srcs, dsts, lens, sharing)
+            if self.completion == "sync":
+                rc = self._engine.batch_transfer_sync_write(peer_session, src_addrs, dst_addrs, lengths)
+                if rc != 0:
+                    raise TransferError(f"write of {sum(lengths)} bytes to {peer_session} failed (rc={rc})")
+            else:
+                self._submit_and_wait(peer_session, src_addrs, dst_addrs, lengths, sharing)
         finally:
-            with self._writes_lock:
+            with self._writes_changed:
                 self._writes -= 1
+                self._writes_changed.notify_all()
 
     def _submit_and_wait(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int], sharing: int) -> None:
         start, nbytes = time.perf_counter(), sum(lens)
         pending: list[int] = []
         failures: list[str] = []
-        for src, dst, length in zip(srcs, dsts, lens, strict=True):
-            batch = self._engine.transfer_submit_write(peer, src, dst, length)
-            if batch == 0:
-                failures.append(f"submit of {length} bytes at {dst:#x} refused")
-                break
-            pending.append(batch)
+        try:
+            for src, dst, length in zip(srcs, dsts, lens, strict=True):
+                batch = self._engine.transfer_submit_write(peer, src, dst, length)
+                if batch in _SUBMIT_FAILED:
+                    failures.append(f"submit of {length} bytes at {dst:#x} refused")
+                    break
+                pending.append(batch)
+        except Exception as exc:  # what was submitted before still has to settle below
+            failures.append(f"submit raised {type(exc).__name__}: {exc}")
         expected = nbytes / self._rate
         if pending:
             # Alone on the link it cannot land sooner; beside other writes it lands later and
             # the poll covers the rest, so this never oversleeps a write that shares the link.
             time.sleep(_SLEEP_SHARE * expected)
         late_at = start + 2 * expected
+        give_up_at = start + self._settle_timeout_s + nbytes / _RATE_FLOOR
         delay, polls = _POLL_S, 0
         # Every submitted write must settle before returning, even after a failure, so the
         # caller knows nothing of this call is still in flight.
@@ -124,12 +131,15 @@ class MooncakeTransport(Transport):
             still = []
             for batch in pending:
                 rc = self._engine.transfer_check_status(batch)
-                if rc == 0:
+                if rc in (0, -2):  # -2: Mooncake's timeout fired but the batch has not settled yet
                     still.append(batch)
                 elif rc < 0:
-                    failures.append("timed out" if rc == -2 else f"failed (rc={rc})")
+                    failures.append(f"failed (rc={rc})")
             pending = still
             if pending:
+                if time.perf_counter() > give_up_at:
+                    raise TransferError(f"write of {nbytes} bytes to {peer}: {len(pending)} part(s) not settled "
+                                        f"after {time.perf_counter() - start:.1f}s")
                 time.sleep(delay)
                 if time.perf_counter() > late_at:
                     delay = min(delay * 2, _POLL_LATE_MAX_S)
@@ -147,8 +157,15 @@ class MooncakeTransport(Transport):
             rate = self._rate + _RATE_WEIGHT * (sample - self._rate)
         self._rate = max(rate, _RATE_FLOOR)
 
-    def close(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                del self._engine
+    def close(self, timeout: float = 30.0) -> None:
+        """Refuse new writes, wait for those under way (their buffers are still being read),
+        then release the engine."""
+        with self._writes_changed:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._writes_changed.wait_for(lambda: self._writes == 0, timeout):
+                log.warning("closing with %d Mooncake write(s) still under way after %gs; the engine is "
+                            "left to process exit", self._writes, timeout)
+                return
+        del self._engine

@@ -96,12 +96,16 @@ class EmbeddingReceiver:
 
     def init(self, block_ids: list[int]) -> None:
         """Send the 7-frame init with the first allocation (``allocated = len * block_size``)."""
-        if self._rounds or not block_ids:
-            raise ValueError(f"room {self.room}: init needs blocks and may be called once")
-        self._rounds.append(_Round(0, list(block_ids)))
         m = self._m
-        self._round_end = len(block_ids) * m.config.block_size
-        self.state.advance(KVPoll.WaitingForInput)
+        with m._lock:
+            if self._rounds or not block_ids:
+                raise ValueError(f"room {self.room}: init needs blocks and may be called once")
+            self._rounds.append(_Round(0, list(block_ids)))
+            self._round_end = len(block_ids) * m.config.block_size
+            if self.state.status == KVPoll.Failed:  # e.g. its peer was declared dead meanwhile
+                self._release_failed()
+                return
+            self.state.advance(KVPoll.WaitingForInput)
         m._send(self, self._round_frames(block_ids, None))
 
     def poll(self) -> KVPoll:
@@ -418,6 +422,8 @@ class EmbeddingReceiverManager:
         if route is None:
             route = fetch_route(bootstrap_addr, room)
         with self._lock:
+            if room in self._rooms:  # taken while the route was looked up
+                raise ValueError(f"room {room} is already receiving")
             self._routes[bootstrap_addr] = route
             if route.incarnation:
                 self._incarnations.setdefault(bootstrap_addr, route.incarnation)
@@ -438,9 +444,12 @@ class EmbeddingReceiverManager:
         with self._lock:
             done = lambda: all(r._suspend_acked or r.state.progress.terminal for r in receivers)  # noqa: E731
             if not self._wait(done, timeout):
-                for r in receivers:
-                    if not (r._suspend_acked or r.state.progress.terminal):
-                        r.abort(f"timeout: {r.peer_name} did not acknowledge the suspend within {timeout:g}s")
+                silent = [r for r in receivers if not (r._suspend_acked or r.state.progress.terminal)]
+                for r in silent:
+                    r.abort(f"timeout: {r.peer_name} did not acknowledge the suspend within {timeout:g}s")
+                # Their blocks come back with the abort's ack or its timeout; the pool can only be
+                # released after that.
+                self._wait(lambda: not any(r._blocks_owned for r in silent), self.config.abort_ack_timeout + 1)
 
     def _wait(self, predicate, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

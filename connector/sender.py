@@ -99,6 +99,9 @@ class _Room:
     suspended_at: float | None = None  # the language side suspended the room to sleep
     pending_suspend_acks: list[SuspendMsg] = field(default_factory=list)
     held: Embedding | None = None  # source data kept in host memory while this worker sleeps
+    # Failed statuses held back while a write of the room is in flight: a peer frees its blocks
+    # on Failed, so it must not see one before the last byte has landed.
+    held_failures: list[tuple[str, int, StatusMsg]] = field(default_factory=list)
     round_end: int = 0  # sent_tokens once the rounds being written land
     first_write_at: float | None = None  # time.monotonic() as the first round's write began
 
@@ -195,6 +198,9 @@ class EmbeddingSenderManager:
         with self._lock:
             self._paused = True
             if not self._idle.wait_for(lambda: not any(r.in_flight for r in self._rooms.values()), timeout):
+                self._paused = False  # stay awake and go on: rooms held back meanwhile start now
+                for r in list(self._rooms.values()):
+                    self._maybe_start(r)
                 raise TimeoutError(f"writes still in flight after {timeout:g}s")
 
     def abort_all(self, reason: str) -> None:
@@ -340,9 +346,17 @@ class EmbeddingSenderManager:
         log.warning("room %d failed: %s", r.room, reason)
         if notify:
             for d in r.dsts:
-                self._status(d.endpoint, d.port, StatusMsg(r.room, KVPoll.Failed, r.state.progress.sent_tokens, reason))
+                self._tell_failed(r, d.endpoint, d.port, StatusMsg(r.room, KVPoll.Failed, r.state.progress.sent_tokens,
+                                                                   reason))
         if not r.in_flight:
             self._conclude(r)
+
+    def _tell_failed(self, r: _Room | None, host: str, port: int, msg: StatusMsg) -> None:
+        """Send a Failed status now, or once the room's writes have landed (see held_failures)."""
+        if r is not None and r.in_flight:
+            r.held_failures.append((host, port, msg))
+        else:
+            self._status(host, port, msg)
 
     def _conclude(self, r: _Room) -> None:
         """Called with the lock held when a room ended and no write of it is in flight."""
@@ -351,6 +365,9 @@ class EmbeddingSenderManager:
         if r.src_blocks is not None and not r.freed:
             r.freed = True
             self.allocator.free(r.src_blocks)
+        for host, port, msg in r.held_failures:  # before any ack, as _settle_writes does
+            self._status(host, port, msg)
+        r.held_failures.clear()
         for ack in r.pending_acks:
             self._push_safe(ack.endpoint, ack.dst_port, AbortAckMsg(r.room, ack.generation).encode())
         r.pending_acks.clear()
@@ -407,7 +424,7 @@ class EmbeddingSenderManager:
                 r = self._rooms.get(room)
                 if r is not None and r.concluded_at is None:
                     self._fail(r, f"bad message from {host}:{port}: {reason}", notify=False)
-            self._status(host, port, StatusMsg(room, KVPoll.Failed, 0, f"rejected message: {reason}"))
+                self._tell_failed(r, host, port, StatusMsg(room, KVPoll.Failed, 0, f"rejected message: {reason}"))
 
     def _on_register(self, msg: RegisterMsg) -> None:
         mismatch = ""
@@ -468,15 +485,15 @@ class EmbeddingSenderManager:
             self.stats["rejected_message"] += 1
             if r is not None and r.concluded_at is None:
                 self._fail(r, reason, notify=False)
-            self._status(msg.endpoint, msg.dst_port, StatusMsg(msg.room, KVPoll.Failed, 0, reason))
+            self._tell_failed(r, msg.endpoint, msg.dst_port, StatusMsg(msg.room, KVPoll.Failed, 0, reason))
             return
         dst = _Destination(msg.endpoint, msg.dst_port, msg.session_id, msg.block_ids, msg.allocated_tokens)
         if isinstance(msg, InitMsg):
             if r is None:  # the init came before the encode request: hold it until send()
                 r = self._rooms[msg.room] = _Room(msg.room, deadline=time.monotonic() + self.config.bootstrap_timeout)
             if r.state.status != KVPoll.Bootstrapping or r.required_dsts and len(r.dsts) >= r.required_dsts:
-                self._status(msg.endpoint, msg.dst_port,
-                             StatusMsg(msg.room, KVPoll.Failed, 0, f"room {msg.room} already initialised"))
+                self._tell_failed(r, msg.endpoint, msg.dst_port,
+                                  StatusMsg(msg.room, KVPoll.Failed, 0, f"room {msg.room} already initialised"))
                 return
             r.required_dsts = msg.required_dst_info_num
             r.suspended_at = None  # a room restored from disk, asked for again from token 0
@@ -533,7 +550,11 @@ class EmbeddingSenderManager:
             r, write = item
             if r.first_write_at is None:
                 r.first_write_at = time.monotonic()
-            error = "" if r.state.status == KVPoll.Failed else self._write_round(r, write)
+            try:
+                error = "" if r.state.status == KVPoll.Failed else self._write_round(r, write)
+            except Exception as exc:  # a bug or an engine error fails the room, never this worker
+                log.exception("room %d: write failed unexpectedly", r.room)
+                error = f"write failed unexpectedly: {type(exc).__name__}: {exc}"
             with self._lock:
                 write.done = True
                 if error:
@@ -546,7 +567,7 @@ class EmbeddingSenderManager:
         bs, start = self.config.block_size, write.start
         first_src = start // bs
         for d in write.dsts:
-            tokens = min(r.total_tokens - start, d.allocated_tokens)
+            tokens = write.end - start  # the same for every destination: the smallest allocation
             peer = self._peers.get(d.session_id)
             if peer is None:
                 return f"language peer session {d.session_id} is gone"

@@ -66,10 +66,12 @@ class EncodeWorker:
         self.bootstrap = BootstrapServer(config.host, bootstrap_port, health_status=self._bootstrap_health)
         self.bootstrap.put_route(1, 1, config.host, self.sender.rank_port, 0)
         self.metrics = WorkerMetrics("encode", lambda: pool_blocks(self.allocator))
-        self._idle = threading.Condition()  # notified when an encode request ends
         self._encode_lock = threading.Lock()  # one forward pass at a time; the cores are few
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
+        # Notified when an encode request ends. On the same lock as the admission check, so a
+        # sleep cannot see no request in flight while one is being admitted.
+        self._idle = threading.Condition(self._lock)
         self._restart = bool(checkpoint_dir) and checkpoint_files.exists(checkpoint_dir, checkpoint.ROLE)
         if self._restart:  # a checkpoint waits on disk: boot asleep until /wake_up
             self.sender.pause()
@@ -101,9 +103,8 @@ class EncodeWorker:
             self.metrics.failure("bad_input" if exc.status < 500 else "pool_full")
             raise
         finally:
-            with self._lock:
-                self._in_flight.discard(rid)
             with self._idle:
+                self._in_flight.discard(rid)
                 self._idle.notify_all()
 
     def _encode(self, rid: str, room: int, image_refs: list[str], start: float) -> dict:

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import time
 
+import zmq
 from test_faults import raw_language, raw_pool, start_room, wait_for  # noqa: F401  (fixtures)
 
 from connector.allocator import BlockAllocator
+from connector.bootstrap import BootstrapServer
 from connector.buffers import BufferPool
-from connector.messages import InitMsg, RegisterMsg, StatusMsg, SuspendAckMsg, SuspendMsg, decode_language_bound
+from connector.messages import (
+    InitMsg,
+    RegisterMsg,
+    StatusMsg,
+    SuspendAckMsg,
+    SuspendMsg,
+    decode_encoder_bound,
+    decode_language_bound,
+)
 from connector.poll import KVPoll
 
 
@@ -124,3 +134,29 @@ def test_a_suspend_during_the_last_round_is_acked_after_its_success(make_peer, r
 def recv_any(pull):
     assert pull.poll(30_000), "no message from the encoder"
     return decode_language_bound(pull.recv_multipart())
+
+
+def test_an_encoder_that_never_acks_the_suspend_is_aborted_and_the_pool_can_still_be_released(make_language) -> None:
+    """A fake encoder that takes every message and answers none: sleep must still get every block back."""
+    lang = make_language(abort_ack_timeout=1.0)
+    ctx = zmq.Context()
+    encoder_pull = ctx.socket(zmq.PULL)
+    encoder_port = encoder_pull.bind_to_random_port("tcp://127.0.0.1")
+    bootstrap = BootstrapServer("127.0.0.1", 0)
+    bootstrap.put_route(1, 1, "127.0.0.1", encoder_port, 0)
+    try:
+        receiver = lang.manager.create_receiver(f"127.0.0.1:{bootstrap.port}", 41)
+        receiver.init(lang.allocator.allocate(4))
+        started = time.monotonic()
+        lang.manager.suspend_all([receiver], timeout=0.5)
+        assert receiver.poll() == KVPoll.Failed and "did not acknowledge the suspend" in receiver.state.reason
+        assert lang.allocator.all_free()  # the abort went unanswered too: freed after its ack timeout
+        assert time.monotonic() - started < 0.5 + 1.0 + 1.5
+        kinds = [type(decode_encoder_bound(encoder_pull.recv_multipart())).__name__ for _ in range(4)]
+        assert kinds == ["RegisterMsg", "InitMsg", "SuspendMsg", "AbortMsg"]
+        lang.manager.detach_pool()  # raised "blocks still in use" before the suspend waited for them
+        lang.manager.attach_pool(lang.pool, lang.allocator)
+    finally:
+        bootstrap.close()
+        encoder_pull.close(0)
+        ctx.term()

@@ -276,7 +276,9 @@ def test_encode_restart_from_checkpoint_dir_continues_rooms_in_every_phase(make_
     ckpt = tmp_path / "encode-ckpt"
     args = ("--encoder", "fake", "--checkpoint-dir", str(ckpt))
     encode = WorkerProcess("encode", *args)
-    lang = make_language(num_blocks=400, heartbeat_interval=0.5)
+    # 1 s, not less: the encoder writing its checkpoint under a loaded test run can miss a 0.5 s
+    # health deadline twice, which would (rightly) declare it dead before it is asleep on disk.
+    lang = make_language(num_blocks=400, heartbeat_interval=1.0)
     m, addr = lang.manager, f"127.0.0.1:{encode.bootstrap_port}"
 
     def post_encode(room: int) -> str:
@@ -303,7 +305,7 @@ def test_encode_restart_from_checkpoint_dir_continues_rooms_in_every_phase(make_
         saved = json.loads((ckpt / "encode.json").read_text())
         assert sorted((e["room"], e["sent_tokens"]) for e in saved["rooms"]) == [(1, 4096), (2, 4096), (3, 0), (4, 0)]
 
-        time.sleep(2.0)  # four heartbeats without an answer: a durable sleeper's rooms must wait
+        time.sleep(4.0)  # four heartbeats without an answer: a durable sleeper's rooms must wait
         assert all(r.poll() != KVPoll.Failed for r in receivers.values())
         encode = WorkerProcess("encode", *args, bootstrap_port=encode.bootstrap_port)
         assert "asleep: a checkpoint waits" in encode.ready_line

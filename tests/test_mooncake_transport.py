@@ -1,0 +1,98 @@
+"""The Mooncake backend's completion handling: real engines over TCP on 127.0.0.1, with the
+status or submit answer scripted where Mooncake cannot be made to give it on demand."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from connector.mooncake_transport import MooncakeTransport
+from connector.transport import TransferError
+
+NBYTES = 8 << 20
+
+
+class ScriptedEngine:
+    """Mooncake's engine, except for the answers listed: those are given first, in order."""
+
+    def __init__(self, engine, statuses: tuple[int, ...] = (), submit: int | None = None,
+                 hold: threading.Event | None = None) -> None:
+        self._engine, self._statuses, self._submit = engine, list(statuses), submit
+        self.hold, self.polled = hold, threading.Event()  # while hold is clear: "still running"
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def transfer_check_status(self, batch: int) -> int:
+        self.polled.set()
+        if self.hold is not None and not self.hold.is_set():
+            return 0
+        return self._statuses.pop(0) if self._statuses else self._engine.transfer_check_status(batch)
+
+    def transfer_submit_write(self, *args) -> int:
+        return self._engine.transfer_submit_write(*args) if self._submit is None else self._submit
+
+
+@pytest.fixture
+def link(monkeypatch) -> Iterator[tuple[MooncakeTransport, MooncakeTransport, np.ndarray, np.ndarray]]:
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "1")  # the sender gives up on a write after 1 s + its size at 0.5 GB/s
+    src_side, dst_side = MooncakeTransport(), MooncakeTransport()
+    src = np.random.default_rng(0).integers(0, 256, NBYTES, dtype=np.uint8)
+    dst = np.zeros(NBYTES, np.uint8)
+    src_side.register([(src.ctypes.data, src.nbytes)])
+    dst_side.register([(dst.ctypes.data, dst.nbytes)])
+    yield src_side, dst_side, src, dst
+    src_side.close()
+    dst_side.close()
+
+
+def write(side: MooncakeTransport, peer: MooncakeTransport, src: np.ndarray, dst: np.ndarray) -> None:
+    side.write(peer.session_id, [src.ctypes.data], [dst.ctypes.data], [src.nbytes])
+
+
+def test_a_timed_out_status_is_polled_until_the_write_settles(link) -> None:
+    src_side, dst_side, src, dst = link
+    src_side._engine = ScriptedEngine(src_side._engine, statuses=(-2, -2, -2))
+    write(src_side, dst_side, src, dst)  # -2 means "timeout fired, not settled": not a finished write
+    assert hashlib.sha256(dst).digest() == hashlib.sha256(src).digest()
+
+
+def test_a_write_that_never_settles_fails_after_the_transfer_timeout(link) -> None:
+    src_side, dst_side, src, dst = link
+    src_side._engine = ScriptedEngine(src_side._engine, statuses=(0,) * 10**6)
+    started = time.monotonic()
+    with pytest.raises(TransferError, match=r"1 part\(s\) not settled after"):
+        write(src_side, dst_side, src, dst)
+    assert 1.0 < time.monotonic() - started < 1.0 + NBYTES / 0.5e9 + 1.0
+
+
+@pytest.mark.parametrize("refusal", [0, 2**64 - 1])
+def test_a_refused_submit_is_a_transfer_error(link, refusal: int) -> None:
+    src_side, dst_side, src, dst = link
+    src_side._engine = ScriptedEngine(src_side._engine, submit=refusal)
+    with pytest.raises(TransferError, match="refused"):
+        write(src_side, dst_side, src, dst)
+
+
+def test_close_waits_for_the_write_under_way_and_then_refuses_new_ones(link) -> None:
+    src_side, dst_side, src, dst = link
+    engine = src_side._engine = ScriptedEngine(src_side._engine, hold=threading.Event())
+    writer = threading.Thread(target=write, args=(src_side, dst_side, src, dst))
+    writer.start()
+    assert engine.polled.wait(10)
+    closer = threading.Thread(target=src_side.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close() released the engine under a running write"
+    engine.hold.set()
+    writer.join(10)
+    closer.join(10)
+    assert not closer.is_alive()
+    assert hashlib.sha256(dst).digest() == hashlib.sha256(src).digest()
+    with pytest.raises(TransferError, match="closed"):
+        write(src_side, dst_side, src, dst)
