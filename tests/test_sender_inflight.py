@@ -63,12 +63,18 @@ def encoder(raw_language) -> Iterator:  # noqa: F811
         sender.close()
 
 
-def test_a_failed_status_waits_until_the_write_in_flight_has_landed(encoder) -> None:
+def room_one_held_in_flight(encoder):
+    """An encoder whose room 1 is being written and held there until ``transport.release``."""
     start, pull = encoder
     transport = GatedTransport()
     sender, allocator, start_room = start(transport)
     start_room(1)
     wait_for(lambda: sender._rooms[1].in_flight, 5, "the write to start")
+    return sender, allocator, start_room, transport, pull
+
+
+def test_a_failed_status_waits_until_the_write_in_flight_has_landed(encoder) -> None:
+    sender, allocator, _, transport, pull = room_one_held_in_flight(encoder)
     sender.abort_all("the encode worker went to sleep (preserve_state=false)")
     # The language side frees its blocks on Failed: it must not hear of it while bytes may land.
     assert not pull.poll(300), "Failed went out while the write was still in flight"
@@ -79,11 +85,7 @@ def test_a_failed_status_waits_until_the_write_in_flight_has_landed(encoder) -> 
 
 
 def test_a_pause_that_times_out_leaves_the_encoder_writing(encoder) -> None:
-    start, pull = encoder
-    transport = GatedTransport()
-    sender, allocator, start_room = start(transport)
-    start_room(1)
-    wait_for(lambda: sender._rooms[1].in_flight, 5, "the write to start")
+    sender, allocator, start_room, transport, pull = room_one_held_in_flight(encoder)
     with pytest.raises(TimeoutError, match="writes still in flight"):
         sender.pause(timeout=0.2)
     transport.release.set()
