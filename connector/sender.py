@@ -198,9 +198,7 @@ class EmbeddingSenderManager:
         with self._lock:
             self._paused = True
             if not self._idle.wait_for(lambda: not any(r.in_flight for r in self._rooms.values()), timeout):
-                self._paused = False  # stay awake and go on: rooms held back meanwhile start now
-                for r in list(self._rooms.values()):
-                    self._maybe_start(r)
+                self._unpause()  # stay awake and go on
                 raise TimeoutError(f"writes still in flight after {timeout:g}s")
 
     def abort_all(self, reason: str) -> None:
@@ -263,9 +261,13 @@ class EmbeddingSenderManager:
                 self._rooms[r.room] = r
             for r in self._rooms.values():
                 r.deadline = max(r.deadline, now + self.config.resume_timeout)
-            self._paused = False
-            for r in list(self._rooms.values()):
-                self._maybe_start(r)
+            self._unpause()
+
+    def _unpause(self) -> None:
+        """Let writes start again, beginning with the rounds held back while paused (lock held)."""
+        self._paused = False
+        for r in list(self._rooms.values()):
+            self._maybe_start(r)
 
     def active_rooms(self) -> int:
         with self._lock:
@@ -566,8 +568,8 @@ class EmbeddingSenderManager:
         assert r.src_blocks is not None
         bs, start = self.config.block_size, write.start
         first_src = start // bs
+        tokens = write.end - start  # the same for every destination: the smallest allocation
         for d in write.dsts:
-            tokens = write.end - start  # the same for every destination: the smallest allocation
             peer = self._peers.get(d.session_id)
             if peer is None:
                 return f"language peer session {d.session_id} is gone"
