@@ -8,6 +8,7 @@ The public contract lives in a few modules:
 * :mod:`connector.transport` -- the byte mover interface; :mod:`connector.mooncake_transport`
   is the Mooncake Transfer Engine backend.
 * :mod:`connector.sender` (encode side) and :mod:`connector.receiver` (language side).
+* :mod:`connector.failures` -- why a room failed (``FailureKind``), as HTTP status and on the wire.
 """
 
 from connector.poll import KVPoll

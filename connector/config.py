@@ -20,6 +20,9 @@ ENV_NAMES = {
     "abort_ack_timeout": "SGLANG_EMBEDDING_ABORT_ACK_TIMEOUT",
     "transfer_workers": "SGLANG_EMBEDDING_TRANSFER_WORKERS",
     "max_sleep": "SGLANG_EMBEDDING_MAX_SLEEP",
+    "staging_bytes": "SGLANG_EMBEDDING_STAGING_BYTES",
+    "max_queued_requests": "SGLANG_EMBEDDING_MAX_QUEUED_REQUESTS",
+    "queue_timeout": "SGLANG_EMBEDDING_QUEUE_TIMEOUT",
 }
 
 
@@ -44,6 +47,11 @@ class ConnectorConfig:
     abort_ack_timeout: float = 15.0
     transfer_workers: int = 2
     max_sleep: float = 3600.0  # a sleeping peer's rooms are kept this long, then fail
+    # Flow control (docs/flow_control.md). Encode side: host memory for embeddings that no
+    # language peer has asked for yet; both sides: requests waiting in a queue, and how long.
+    staging_bytes: int = 4 << 30
+    max_queued_requests: int = 256
+    queue_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,11 +60,11 @@ class ConnectorConfig:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
         for name in ("hidden_size", "block_size", "num_blocks", "default_allocate_tokens",
-                     "heartbeat_max_failures", "transfer_workers"):
+                     "heartbeat_max_failures", "transfer_workers", "staging_bytes", "max_queued_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("bootstrap_timeout", "waiting_timeout", "resume_timeout", "heartbeat_interval",
-                     "abort_ack_timeout", "max_sleep"):
+                     "abort_ack_timeout", "max_sleep", "queue_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.protocol not in ("tcp", "rdma"):

@@ -6,10 +6,12 @@ import asyncio
 import json
 import signal
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 
 from aiohttp import web
 
 from connector.checkpoint import CheckpointError
+from connector.failures import FailureKind, TransferFailure
 
 
 class HTTPError(Exception):
@@ -20,12 +22,14 @@ class HTTPError(Exception):
         self.status, self.message, self.headers = status, message, headers or {}
 
 
-def asleep_error(role: str) -> HTTPError:
-    return HTTPError(503, f"the {role} worker is asleep; retry after it wakes up", {"Retry-After": "5"})
+def asleep_error(role: str) -> TransferFailure:
+    return TransferFailure(FailureKind.ASLEEP, f"the {role} worker is asleep; retry after it wakes up")
 
 
-def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": message, "status": status}, status=status, headers=headers)
+def json_error(status: int, message: str, headers: dict[str, str] | None = None,
+               kind: FailureKind | None = None) -> web.Response:
+    body = {"error": message, "status": status, **({"kind": kind.value} if kind else {})}
+    return web.json_response(body, status=status, headers=headers)
 
 
 def sleep_params(request: web.Request) -> tuple[int, bool]:
@@ -64,6 +68,8 @@ async def errors_as_json(request: web.Request, handler: Callable[[web.Request], 
         return await handler(request)
     except HTTPError as exc:
         return json_error(exc.status, exc.message, exc.headers)
+    except TransferFailure as exc:  # a request that failed: its kind says the status
+        return json_error(exc.kind.http_status, str(exc), exc.kind.headers(), exc.kind)
     except CheckpointError as exc:  # a wake-up refused its checkpoint; nothing was loaded
         return json_error(422, f"{exc}; fix or remove it, or wake with discard_checkpoint=true")
     except web.HTTPException as exc:
@@ -86,6 +92,18 @@ async def read_json(request: web.Request, required: dict[str, type | tuple[type,
     return body
 
 
+async def wait_for_future(future: Future, on_cancel: Callable[[], object]) -> object:
+    """Await a worker's future without cancelling it when the client goes away (the worker
+    still completes it); ``on_cancel`` is called then, to cancel the work instead."""
+    wrapped = asyncio.wrap_future(future)
+    wrapped.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even if nobody awaits it
+    try:
+        return await asyncio.shield(wrapped)
+    except asyncio.CancelledError:
+        on_cancel()
+        raise
+
+
 def check_room(value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
         raise HTTPError(400, "bootstrap_room must be an integer in [0, 2^63)")
@@ -93,14 +111,18 @@ def check_room(value: object) -> int:
 
 
 def serve(app: web.Application, host: str, port: int, banner: Callable[[int], None],
-          on_shutdown: Callable[[], None]) -> None:
-    """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM, then call ``on_shutdown``."""
+          stopping: Callable[[], None], on_shutdown: Callable[[], None]) -> None:
+    """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM; then ``stopping`` fails what is in
+    flight (clients get a 503 at once), the server closes, and ``on_shutdown`` releases the rest.
+
+    A client that disconnects cancels its handler (``asyncio.CancelledError`` in it), so a
+    handler can cancel the request's work.
+    """
 
     async def main() -> None:
-        # Requests still waiting (e.g. for a transfer kept over sleep) get 2 s, not aiohttp's 60.
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
         banner(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
         stop = asyncio.Event()
@@ -108,6 +130,7 @@ def serve(app: web.Application, host: str, port: int, banner: Callable[[int], No
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        await asyncio.to_thread(stopping)
         await runner.cleanup()
 
     try:

@@ -10,7 +10,8 @@ Language -> encoder (the encoder's PULL socket):
   required_dst_info_num, sent_tokens, allocated_tokens]``;
 * abort ``[b"ABORT", room, endpoint, dst_port, generation]``;
 * suspend ``[b"SUSPEND", room, endpoint, dst_port, generation]`` (ours, for sleep): write nothing
-  more for the room until a resume, which may come from a new session of the same worker.
+  more for the room until a resume, which may come from a new session of the same worker;
+* pong ``[b"PONG", session_id, seq]`` (ours): the answer to a ping.
 
 Encoder -> language (the language side's PULL socket):
 
@@ -20,7 +21,12 @@ Encoder -> language (the language side's PULL socket):
   cannot hold everything starts, how many tokens there are: the language side may then send
   its resume early, and the encoder starts the next round as soon as the current one ends;
 * abort ack ``[b"ABORT_ACK", room, generation]`` and suspend ack ``[b"SUSPEND_ACK", room, generation]``,
-  each sent once nothing of that room is in flight.
+  each sent once nothing of that room is in flight;
+* ping ``[b"PING", endpoint, port, seq]`` (ours, only to peers whose register carried our
+  extension frames): the language side answers with a pong to ``endpoint:port``, on the same
+  socket as its other messages, so the pong comes after everything it sent before.
+
+A ``Failed`` status's reason is ``"<kind>: <message>"`` (see :mod:`connector.failures`).
 
 Numbers are ASCII decimal. Every decoder raises :class:`ProtocolError` with a message that
 names the bad frame; nothing else escapes it.
@@ -32,6 +38,7 @@ import struct
 from dataclasses import dataclass
 from typing import ClassVar
 
+from connector.failures import FailureKind
 from connector.poll import KVPoll
 
 REGISTER_TAG = b"None"
@@ -39,6 +46,8 @@ ABORT_TAG = b"ABORT"
 ABORT_ACK_TAG = b"ABORT_ACK"
 SUSPEND_TAG = b"SUSPEND"
 SUSPEND_ACK_TAG = b"SUSPEND_ACK"
+PING_TAG = b"PING"
+PONG_TAG = b"PONG"
 
 MAX_ROOM = 2**63 - 1
 MAX_TOKENS = 2**31 - 1
@@ -49,7 +58,11 @@ _MAX_TEXT = 256
 
 
 class ProtocolError(ValueError):
-    """A message that does not follow the wire protocol."""
+    """A message that does not follow the wire protocol (or a pool the peer's cannot feed)."""
+
+    def __init__(self, message: str, kind: FailureKind = FailureKind.PROTOCOL) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -165,11 +178,34 @@ class SuspendAckMsg(_RoomAck):
     TAG: ClassVar[bytes] = SUSPEND_ACK_TAG
 
 
+@dataclass(frozen=True)
+class PingMsg:
+    """Encoder -> language: is the session there? Answer to ``endpoint:port``."""
+
+    endpoint: str
+    port: int
+    seq: int
+
+    def encode(self) -> list[bytes]:
+        return [PING_TAG, self.endpoint.encode(), str(self.port).encode(), str(self.seq).encode()]
+
+
+@dataclass(frozen=True)
+class PongMsg:
+    """Language -> encoder: session ``session_id`` answers ping ``seq``."""
+
+    session_id: str
+    seq: int
+
+    def encode(self) -> list[bytes]:
+        return [PONG_TAG, self.session_id.encode(), str(self.seq).encode()]
+
+
 _CONTROLS = {cls.TAG: cls for cls in (AbortMsg, SuspendMsg)}
 _ACKS = {cls.TAG: cls for cls in (AbortAckMsg, SuspendAckMsg)}
 
-EncoderBound = RegisterMsg | InitMsg | ResumeMsg | AbortMsg | SuspendMsg
-LanguageBound = StatusMsg | AbortAckMsg | SuspendAckMsg
+EncoderBound = RegisterMsg | InitMsg | ResumeMsg | AbortMsg | SuspendMsg | PongMsg
+LanguageBound = StatusMsg | AbortAckMsg | SuspendAckMsg | PingMsg
 
 
 def decode_encoder_bound(frames: list[bytes]) -> EncoderBound:
@@ -185,6 +221,10 @@ def decode_encoder_bound(frames: list[bytes]) -> EncoderBound:
         item_lens = _unpack_u64(frames[7], "item_lens") if n == 8 else None
         return RegisterMsg(_host(frames[1], "endpoint"), _port(frames[2]), _session(frames[3]),
                            _unpack_u64(frames[4], "base pointers"), generation, num_blocks, item_lens)
+    if head == PONG_TAG:
+        if n != 3:
+            raise ProtocolError(f"pong needs 3 frames, got {n}")
+        return PongMsg(_session(frames[1]), _int(frames[2], "seq", 0, MAX_ROOM))
     if head in _CONTROLS:
         if n != 5:
             raise ProtocolError(f"{head.decode().lower()} needs 5 frames, got {n}")
@@ -215,6 +255,10 @@ def decode_language_bound(frames: list[bytes]) -> LanguageBound:
         if n != 3:
             raise ProtocolError(f"{frames[0].decode().lower()} needs 3 frames, got {n}")
         return _ACKS[frames[0]](_int(frames[1], "room", 0, MAX_ROOM), _int(frames[2], "generation", 0, MAX_ROOM))
+    if frames[0] == PING_TAG:
+        if n != 4:
+            raise ProtocolError(f"ping needs 4 frames, got {n}")
+        return PingMsg(_host(frames[1], "endpoint"), _port(frames[2]), _int(frames[3], "seq", 0, MAX_ROOM))
     if n not in (2, 3, 4, 5):
         raise ProtocolError(f"status needs 2 to 5 frames, got {n}")
     room = _int(frames[0], "room", 0, MAX_ROOM)
@@ -230,7 +274,7 @@ def check_blocks(block_ids: tuple[int, ...], allocated_tokens: int, block_size: 
     """Check a request's destination blocks against the peer's pool geometry."""
     if allocated_tokens != len(block_ids) * block_size:
         raise ProtocolError(f"allocated_tokens {allocated_tokens} != {len(block_ids)} blocks x "
-                            f"block_size {block_size} (block size mismatch between peers?)")
+                            f"block_size {block_size} (block size mismatch between peers?)", FailureKind.MISMATCH)
     if num_blocks is not None and max(block_ids) >= num_blocks:
         raise ProtocolError(f"block id {max(block_ids)} outside the peer's pool of {num_blocks} blocks")
 

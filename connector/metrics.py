@@ -6,19 +6,29 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from connector.failures import FailureKind
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, pool_blocks: Callable[[], tuple[int, int]]) -> None:
-        """``pool_blocks`` returns ``(free, total)``; ``(0, 0)`` while the pool is released."""
+    def __init__(self, role: str, pool_blocks: Callable[[], tuple[int, int]],
+                 queues: Callable[[], dict[str, int]]) -> None:
+        """``pool_blocks`` returns ``(free, total)``; ``(0, 0)`` while the pool is released.
+        ``queues`` returns the current length of each of the worker's queues, by name."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("epd_requests", "Requests finished, by outcome", ["role", "outcome"], registry=r)
+        self.cancellations = Counter("epd_cancelled", "Requests cancelled by their client, by phase",
+                                     ["role", "phase"], registry=r)
+        queue = Gauge("epd_queue", "Requests (or bytes, for staged_bytes) waiting in each queue", ["role", "queue"],
+                      registry=r)
+        for name in queues():
+            queue.labels(role, name).set_function(lambda name=name: queues().get(name, 0))
         self.tokens = Counter("epd_tokens", "Embedding tokens moved", ["role"], registry=r)
         self.bytes = Counter("epd_bytes", "Embedding bytes moved", ["role"], registry=r)
         self.resume_rounds = Counter("epd_resume_rounds", "Resume rounds", ["role"], registry=r)
-        self.failures = Counter("epd_failures", "Failed requests by reason", ["role", "reason"], registry=r)
+        self.failures = Counter("epd_failures", "Failed requests by kind", ["role", "reason"], registry=r)
         self.latency = Histogram("epd_transfer_latency_seconds", "Request latency from start to embedding ready",
                                  ["role"], buckets=LATENCY_BUCKETS, registry=r)
         free = Gauge("epd_pool_blocks_free", "Free blocks in the pool", ["role"], registry=r)
@@ -52,9 +62,12 @@ class WorkerMetrics:
         self.resume_rounds.labels(self.role).inc(rounds)
         self.latency.labels(self.role).observe(seconds)
 
-    def failure(self, reason: str) -> None:
+    def failure(self, kind: FailureKind) -> None:
         self.requests.labels(self.role, "failure").inc()
-        self.failures.labels(self.role, reason).inc()
+        self.failures.labels(self.role, kind.value).inc()
+
+    def cancelled(self, phase: str) -> None:
+        self.cancellations.labels(self.role, phase).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

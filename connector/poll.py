@@ -6,6 +6,8 @@ import enum
 import threading
 from dataclasses import dataclass
 
+from connector.failures import FailureKind, TransferFailure
+
 
 class KVPoll(enum.IntEnum):
     """SGLang's transfer status values (same numbers on the wire)."""
@@ -15,10 +17,6 @@ class KVPoll(enum.IntEnum):
     WaitingForInput = 2
     Transferring = 3
     Success = 4
-
-
-class TransferFailure(RuntimeError):
-    """A room ended in ``Failed``; the message says why and names the peer where known."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +32,7 @@ class Progress:
 
 
 class RoomState:
-    """Thread-safe progress of one room.
+    """Thread-safe progress of one room, as the wire sees it.
 
     Progress only moves forward, ordered by ``(sent_tokens, status)``: a resume moves a room
     from ``Transferring`` back to ``WaitingForInput`` at a larger ``sent_tokens``, so rounds
@@ -45,6 +43,7 @@ class RoomState:
     def __init__(self, status: KVPoll = KVPoll.Bootstrapping) -> None:
         self._lock = threading.Lock()
         self._progress = Progress(status)
+        self._kind: FailureKind | None = None
         self._reason = ""
 
     @property
@@ -59,15 +58,17 @@ class RoomState:
     def reason(self) -> str:
         return self._reason
 
+    @property
+    def kind(self) -> FailureKind | None:
+        return self._kind
+
     def advance(self, status: KVPoll, sent_tokens: int | None = None) -> bool:
-        """Move to ``status`` at ``sent_tokens`` (default: unchanged); False if it would go back."""
+        """Move to ``status`` (not ``Failed``: see :meth:`fail`) at ``sent_tokens`` (default:
+        unchanged); False if it would go back."""
+        assert status != KVPoll.Failed, "use fail() to fail a room"
         with self._lock:
             current = self._progress
-            if current.status == KVPoll.Failed:
-                return False
-            if status == KVPoll.Failed:
-                return self._fail_locked("failed", sent_tokens)
-            if current.status == KVPoll.Success:
+            if current.terminal:
                 return False
             new = Progress(status, current.sent_tokens if sent_tokens is None else sent_tokens)
             if (new.sent_tokens, new.status) <= (current.sent_tokens, current.status):
@@ -75,15 +76,15 @@ class RoomState:
             self._progress = new
             return True
 
-    def fail(self, reason: str) -> bool:
-        """Mark the room ``Failed`` with ``reason``; False if it already was."""
+    def fail(self, kind: FailureKind, reason: str) -> bool:
+        """Mark the room ``Failed``; False if it already was."""
         with self._lock:
             if self._progress.status == KVPoll.Failed:
                 return False
-            return self._fail_locked(reason, None)
+            self._progress = Progress(KVPoll.Failed, self._progress.sent_tokens)
+            self._kind, self._reason = kind, reason
+            return True
 
-    def _fail_locked(self, reason: str, sent_tokens: int | None) -> bool:
-        sent = self._progress.sent_tokens if sent_tokens is None else sent_tokens
-        self._progress = Progress(KVPoll.Failed, sent)
-        self._reason = reason
-        return True
+    def failure(self, room: int) -> TransferFailure:
+        assert self._kind is not None
+        return TransferFailure(self._kind, f"room {room}: {self._kind.value}: {self._reason}")

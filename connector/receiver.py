@@ -1,36 +1,45 @@
 """Language side of the connector: init, poll, resume rounds, assemble once, abort.
 
 One :class:`EmbeddingReceiverManager` per language worker owns the destination pool, its
-allocator, the transport, the PULL socket for statuses and abort acks, and the heartbeat.
-Each request gets an :class:`EmbeddingReceiver` (SGLang's ``BaseKVReceiver`` shape).
+allocator, the transport, the PULL socket for statuses, acks and pings, and the watch over its
+encode peers (:mod:`connector.encoder_peers`). Each request gets an
+:class:`EmbeddingReceiver` (SGLang's ``BaseKVReceiver`` shape), whose phase says what it waits
+for; every allowed phase change is in ``TRANSITIONS``.
 
 Block ownership: blocks passed to ``init``/``resume`` belong to the receiver from then on.
-They come back to the allocator when the embedding is assembled, or when the room failed and
-no peer can still write into them (a status ``Failed`` from the encoder, its ``ABORT_ACK``,
-or the peer declared dead by heartbeat or ack timeout).
+They come back to the allocator when the embedding is assembled or checkpointed, or when the
+room failed and no peer can still write into them: a ``Failed`` status from the encoder (it
+sends one only with nothing in flight), its ``ABORT_ACK``, a peer whose process is gone
+(connection refused), or the ack timeout.
 """
 
 from __future__ import annotations
 
 import collections
+import enum
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
-import requests
 import zmq
 
 from connector.allocator import BlockAllocator
-from connector.bootstrap import INCARNATION_HEADER, RankRoute, fetch_route
+from connector.bootstrap import RankRoute
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
+from connector.encoder_peers import EncoderPeers, Probe
+from connector.failures import FailureKind, parse_wire_reason
 from connector.messages import (
     AbortAckMsg,
     AbortMsg,
     InitMsg,
+    PingMsg,
+    PongMsg,
     ProtocolError,
     RegisterMsg,
     ResumeMsg,
@@ -39,11 +48,41 @@ from connector.messages import (
     SuspendMsg,
     decode_language_bound,
 )
-from connector.poll import KVPoll, RoomState, TransferFailure
+from connector.poll import KVPoll, RoomState
 from connector.transport import Transport
 from connector.zmq_link import PullLoop, PushSockets
 
 log = logging.getLogger(__name__)
+
+
+class ReceiverPhase(enum.Enum):
+    CREATED = "created"  # the encoder's route is known; no blocks yet
+    WAITING = "waiting"  # a round was asked for (init or resume): waiting for its status
+    EARLY = "early"  # the total is known while round one is written: the rest may be asked for now
+    PARTIAL = "partial"  # a round landed (Transferring): allocate for the rest and resume
+    LANDED = "landed"  # Success: the blocks hold the whole embedding until it is assembled
+    SUSPENDING = "suspending"  # sleep: suspend sent, nothing new asked for until its ack
+    SUSPENDED = "suspended"  # acked: nothing of the room is or will be in flight; checkpoint it
+    RESTORED = "restored"  # after a wake: continue with a resume from what landed
+    ABORTING = "aborting"  # failed; the blocks wait until no peer can write into them
+    CLOSED = "closed"  # blocks given back
+
+
+R = ReceiverPhase
+TRANSITIONS: dict[ReceiverPhase, frozenset[ReceiverPhase]] = {
+    R.CREATED: frozenset({R.WAITING, R.CLOSED}),
+    R.WAITING: frozenset({R.EARLY, R.PARTIAL, R.LANDED, R.SUSPENDING, R.ABORTING, R.CLOSED}),
+    R.EARLY: frozenset({R.WAITING, R.PARTIAL, R.SUSPENDING, R.ABORTING, R.CLOSED}),
+    R.PARTIAL: frozenset({R.WAITING, R.SUSPENDING, R.ABORTING, R.CLOSED}),
+    R.LANDED: frozenset({R.CLOSED}),
+    R.SUSPENDING: frozenset({R.SUSPENDED, R.LANDED, R.ABORTING, R.CLOSED}),
+    R.SUSPENDED: frozenset({R.CLOSED}),
+    R.RESTORED: frozenset({R.WAITING, R.SUSPENDED, R.CLOSED}),
+    R.ABORTING: frozenset({R.CLOSED}),
+    R.CLOSED: frozenset(),
+}
+# Phases in which the encoder may be writing into the room's blocks.
+_MAYBE_IN_FLIGHT = frozenset({R.WAITING, R.EARLY, R.PARTIAL, R.SUSPENDING})
 
 
 @dataclass
@@ -71,26 +110,28 @@ class EmbeddingReceiver:
 
     def __init__(self, manager: EmbeddingReceiverManager, bootstrap_addr: str, room: int, route: RankRoute) -> None:
         self._m, self.bootstrap_addr, self.room, self.route = manager, bootstrap_addr, room, route
+        self.phase = ReceiverPhase.CREATED
         self.state = RoomState()
         self._changed = threading.Condition(manager._lock)  # notified on every status change
         self.total_tokens: int | None = None
         self.resume_rounds = 0
         self._rounds: list[_Round] = []  # rounds whose blocks are still in the pool
         self._round_end = 0  # tokens that have landed once the current round succeeds
-        self._out: Embedding | None = None  # assembly target, created early only by spill()
+        self._out: Embedding | None = None  # assembly target, created early only by a spill or a restore
         self._spilled = 0  # tokens [0, _spilled) already copied into _out
         self._aux = None
-        self._blocks_owned = True  # False once the blocks went back to the allocator
-        self._awaiting_ack_since: float | None = None
-        self._suspend_acked = False  # the encoder confirmed: nothing of this room is or will be in flight
-        self._needs_resume = False  # restored after sleep: continue with a resume, not an init
+        self._aborted_at = 0.0
         # The reference fork's strategy, kept only to measure against (scripts/bench_resume.py):
         # copy every partial round out of the pool and concatenate all copies at the end.
         self.clone_concat = False
         self._clones: list[Embedding] = []
-        self._early_ok = False  # the total is known while the first round is written: resume now
         self._last_progress = time.monotonic()
         self.peer_name = f"encode peer {bootstrap_addr} (rank {route.rank_ip}:{route.rank_port})"
+
+    def _move(self, phase: ReceiverPhase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise AssertionError(f"room {self.room}: no transition {self.phase.name} -> {phase.name}")
+        self.phase = phase
 
     # ---- BaseKVReceiver-like API ----------------------------------------------------------
 
@@ -98,14 +139,15 @@ class EmbeddingReceiver:
         """Send the 7-frame init with the first allocation (``allocated = len * block_size``)."""
         m = self._m
         with m._lock:
-            if self._rounds or not block_ids:
+            if self.phase == R.CLOSED:  # e.g. its peer was declared dead meanwhile
+                m.allocator.free(block_ids)
+                return
+            if self.phase != R.CREATED or not block_ids:
                 raise ValueError(f"room {self.room}: init needs blocks and may be called once")
             self._rounds.append(_Round(0, list(block_ids)))
             self._round_end = len(block_ids) * m.config.block_size
-            if self.state.status == KVPoll.Failed:  # e.g. its peer was declared dead meanwhile
-                self._release_failed()
-                return
             self.state.advance(KVPoll.WaitingForInput)
+            self._move(R.WAITING)
         m._send(self, self._round_frames(block_ids, None))
 
     def poll(self) -> KVPoll:
@@ -113,25 +155,24 @@ class EmbeddingReceiver:
 
     def failure_exception(self) -> None:
         if self.state.status == KVPoll.Failed:
-            raise TransferFailure(f"room {self.room}: {self.state.reason}")
+            raise self.state.failure(self.room)
 
     def remaining_tokens(self) -> int:
         assert self.total_tokens is not None
         return self.total_tokens - self._round_end
 
     def try_resume(self) -> bool:
-        """After a partial round: allocate for the rest (or as much as is free) and resume.
+        """After a partial round (or early, or after a wake): allocate for the rest (or as much as
+        is free) and resume.
 
         When no block is free at all, this room's received blocks are spilled to host memory
         to make room, so a full pool can always make progress. Returns False when it must be
         retried later (nothing could be allocated).
         """
         with self._m._lock:
-            restored = self._needs_resume and self.state.status == KVPoll.Bootstrapping
-            early = self._early_ok and self.state.status == KVPoll.WaitingForInput
-            self._early_ok = False
-            if self.state.status != KVPoll.Transferring and not restored and not early:
+            if self.phase not in (R.PARTIAL, R.EARLY, R.RESTORED):
                 return False
+            early = self.phase == R.EARLY
             m, bs = self._m, self._m.config.block_size
             if self.total_tokens is None:  # restored before anything landed: start over from 0
                 need = m.config.default_allocate_blocks
@@ -154,8 +195,8 @@ class EmbeddingReceiver:
             else:
                 self.state.advance(KVPoll.WaitingForInput, start)
             self.resume_rounds += 1
-            self._needs_resume = False
             self._last_progress = time.monotonic()
+            self._move(R.WAITING)
         m._send(self, self._round_frames(blocks, start))
         return True
 
@@ -167,8 +208,8 @@ class EmbeddingReceiver:
         otherwise every round is copied into a new array and the blocks return at once.
         """
         with self._m._lock:
-            if self.state.status != KVPoll.Success or not self._blocks_owned:
-                raise RuntimeError(f"room {self.room}: cannot assemble in state {self.state.status.name}")
+            if self.phase != R.LANDED:
+                raise RuntimeError(f"room {self.room}: cannot assemble in phase {self.phase.name}")
             assert self.total_tokens is not None and self._aux is not None
             m, bs = self._m, self._m.config.block_size
             used = [b for rnd in self._rounds
@@ -178,64 +219,71 @@ class EmbeddingReceiver:
                 out = Embedding(np.concatenate([p.embeddings for p in parts]), np.concatenate([p.fill_ids for p in parts]),
                                 np.concatenate([p.mrope_positions for p in parts], axis=1), parts[0].aux.copy(),
                                 m.pool.hidden_size, m.pool.dtype)
-                self._blocks_owned = False
-                out.aux[:] = self._aux
-                m._forget(self)
-                return out
-            out = m.pool.view(used, self.total_tokens) if self._out is None else None
-            if out is not None:
+            elif self._out is None and (out := m.pool.view(used, self.total_tokens)) is not None:
                 held = set(used)
                 m.allocator.free([b for rnd in self._rounds for b in rnd.block_ids if b not in held])
                 out.release_fn = lambda: m.allocator.free(used)
-                self._blocks_owned, self._rounds = False, []
+                self._rounds = []
             else:
                 out = self._out or Embedding.empty(self.total_tokens, m.pool.hidden_size, m.pool.dtype)
                 self._copy_rounds_into(out)
-                self._free_blocks_locked()
             out.aux[:] = self._aux
-            m._forget(self)
+            self._close()
             return out
 
-    def abort(self, reason: str = "aborted by the language side") -> None:
-        """Fail at once; blocks are freed when the encoder acknowledges (or is declared dead)."""
-        with self._m._lock:
-            if not self.state.fail(reason):
+    def abort(self, kind: FailureKind = FailureKind.CANCELLED, reason: str = "aborted by the language side") -> None:
+        """Fail at once and tell the encoder. Blocks the encoder may still be writing come back
+        with its ack (or when it is found gone, or after the ack timeout); others at once."""
+        m = self._m
+        with m._lock:
+            if self.phase in (R.CLOSED, R.ABORTING) or not self.state.fail(kind, reason):
                 return
-            self._awaiting_ack_since = time.monotonic()
-            self._notify()
-            m = self._m
+            if self.phase in _MAYBE_IN_FLIGHT:
+                self._move(R.ABORTING)
+                self._aborted_at = time.monotonic()
+                self._notify()
+            else:
+                self._close()
             m._send(self, AbortMsg(self.room, m.config.host, m.rank_port, m.generation).encode())
 
     def suspend(self) -> None:
-        """Ask the encoder to write nothing more for this room (sleep); the ack sets ``_suspend_acked``."""
+        """Ask the encoder to write nothing more for this room (sleep); its ack ends SUSPENDING."""
         with self._m._lock:
-            if self.state.progress.terminal:
+            if self.phase == R.RESTORED:  # the encoder still holds it suspended: nothing to ask
+                self._move(R.SUSPENDED)
                 return
+            if self.phase not in (R.WAITING, R.EARLY, R.PARTIAL):
+                return
+            self._move(R.SUSPENDING)
             m = self._m
-            m._send(self, SuspendMsg(self.room, m.config.host, m.rank_port, m.generation).encode())
+        m._send(self, SuspendMsg(self.room, m.config.host, m.rank_port, m.generation).encode())
 
     def checkpoint(self) -> ReceiverCheckpoint:
         """After the suspend ack: keep what landed in host memory and give every block back."""
         with self._m._lock:
-            status = self.state.status
-            if status in (KVPoll.Success, KVPoll.Failed) or not (self._suspend_acked or self._needs_resume):
-                raise RuntimeError(f"room {self.room}: cannot checkpoint in state {status.name}")
-            if status == KVPoll.Transferring:
+            if self.phase != R.SUSPENDED:
+                raise RuntimeError(f"room {self.room}: cannot checkpoint in phase {self.phase.name}")
+            if self.state.status == KVPoll.Transferring:
                 assert self.total_tokens is not None
                 landed = min(self._round_end, self.total_tokens)
-            elif self._needs_resume:
-                landed = self._spilled
-            else:  # the current round was never written
-                landed = self.state.progress.sent_tokens
+            else:  # a round asked for but never written, or restored and not resumed yet
+                landed = max(self.state.progress.sent_tokens, self._spilled)
             if landed and self._out is None:
                 assert self.total_tokens is not None
                 self._out = Embedding.empty(self.total_tokens, self._m.pool.hidden_size, self._m.pool.dtype)
             if landed:
                 self._copy_rounds_into(self._out, landed)
-            self._free_blocks_locked()
-            self._m._forget(self)
+            self._close()
             return ReceiverCheckpoint(self.room, self.bootstrap_addr, self.route, landed, self.total_tokens,
                                       self._aux, self.resume_rounds, self._out if landed else None)
+
+    def wait(self, timeout: float) -> KVPoll:
+        """Block until the status changes (or ``timeout``); returns the status then."""
+        with self._m._lock:
+            before = self.state.progress
+            if not before.terminal:
+                self._changed.wait_for(lambda: self.state.progress != before or self.phase == R.EARLY, timeout)
+            return self.state.status
 
     # ---- internals (manager lock held) -------------------------------------------------------
 
@@ -259,7 +307,7 @@ class EmbeddingReceiver:
         self.route = route
         self.peer_name = f"encode peer {self.bootstrap_addr} (rank {route.rank_ip}:{route.rank_port})"
         self._last_progress = time.monotonic()
-        if self.state.status != KVPoll.WaitingForInput:
+        if self.phase != R.WAITING:
             return  # nothing requested: the next try_resume goes to the new rank
         start = self.state.progress.sent_tokens
         pending = next((rnd for rnd in self._rounds if rnd.start == start), None)
@@ -285,8 +333,7 @@ class EmbeddingReceiver:
         for rnd in self._rounds:
             n = min(len(rnd.block_ids) * bs, end - rnd.start)
             self._m.pool.read_into(rnd.block_ids[: -(-n // bs)], clone, rnd.start - first, n)
-        self._m.allocator.free([b for rnd in self._rounds for b in rnd.block_ids])
-        self._rounds = []
+        self._free_rounds()
         return clone
 
     def _spill_locked(self) -> None:
@@ -295,26 +342,30 @@ class EmbeddingReceiver:
         if self._out is None:
             self._out = Embedding.empty(self.total_tokens, self._m.pool.hidden_size, self._m.pool.dtype)
         self._copy_rounds_into(self._out)
-        self._m.allocator.free([b for rnd in self._rounds for b in rnd.block_ids])
+        self._free_rounds()
         self._m.stats["spilled_tokens"] += self._round_end - self._spilled
         self._spilled = self._round_end
+
+    def _free_rounds(self) -> None:
+        self._m.allocator.free([b for rnd in self._rounds for b in rnd.block_ids])
         self._rounds = []
 
-    def _free_blocks_locked(self) -> None:
-        if self._blocks_owned:
-            self._blocks_owned = False
-            self._m.allocator.free([b for rnd in self._rounds for b in rnd.block_ids])
-            self._rounds = []
+    def _close(self) -> None:
+        """Give back every block still held and forget the room."""
+        self._free_rounds()
+        self._move(R.CLOSED)
+        self._m._forget(self)
+        self._notify()
 
     def _on_status(self, msg: StatusMsg) -> None:
-        if self.state.status == KVPoll.Failed:
-            if msg.status == KVPoll.Failed:  # the encoder stopped writing: blocks are safe to free
-                self._release_failed()
+        if msg.status == KVPoll.Failed:  # the encoder stopped writing: the blocks are safe to free
+            if self.state.status != KVPoll.Failed:
+                kind, text = parse_wire_reason(msg.reason)
+                self.state.fail(kind, f"{self.peer_name} failed the room: {text}")
+            self._close()
             return
-        if msg.status == KVPoll.Failed:
-            self.state.fail(f"{self.peer_name} reported failure: {msg.reason or 'no reason given'}")
-            self._release_failed()
-            return
+        if self.phase not in (R.WAITING, R.EARLY, R.SUSPENDING):
+            return  # aborting, or a status that is late for its round
         if msg.total_tokens is not None:
             self._on_total(msg.total_tokens)
             return
@@ -324,10 +375,7 @@ class EmbeddingReceiver:
             self._fail_bad(f"status says {msg.sent_tokens} tokens sent, only {self._round_end} allocated")
             return
         if self._aux is None:  # the first round carried aux: read the total from it
-            first_block = self._rounds[0].block_ids[0] if self._rounds else None
-            if first_block is None:
-                return
-            self._aux = self._m.pool.aux[first_block].copy()
+            self._aux = self._m.pool.aux[self._rounds[0].block_ids[0]].copy()
             total = int(self._aux[0])
             if total <= 0 or self.total_tokens not in (None, total):
                 self._fail_bad(f"aux reports {total} total tokens (announced: {self.total_tokens})")
@@ -340,6 +388,7 @@ class EmbeddingReceiver:
                 self._fail_bad(f"Success after {landed} of {self.total_tokens} tokens")
                 return
             self.state.advance(KVPoll.Success, landed)
+            self._move(R.LANDED)
         else:
             if landed >= self.total_tokens:
                 self._fail_bad(f"Transferring although all {self.total_tokens} tokens were allocated")
@@ -348,6 +397,8 @@ class EmbeddingReceiver:
                 self.state.advance(KVPoll.WaitingForInput, landed)
             else:
                 self.state.advance(KVPoll.Transferring, self.state.progress.sent_tokens)
+                if self.phase != R.SUSPENDING:
+                    self._move(R.PARTIAL)
         self._last_progress = time.monotonic()
         self._notify()
 
@@ -356,31 +407,19 @@ class EmbeddingReceiver:
         if self.total_tokens is not None:
             return
         self.total_tokens = total
-        self._early_ok = (self.state.status == KVPoll.WaitingForInput and len(self._rounds) == 1
-                          and self._round_end < total and not self._needs_resume and not self.clone_concat)
+        if (self.phase == R.WAITING and len(self._rounds) == 1 and self._round_end < total
+                and not self.clone_concat):
+            self._move(R.EARLY)
         self._notify()
 
     def _fail_bad(self, what: str) -> None:
         self._m.stats["bad_status"] += 1
-        self.abort(f"{self.peer_name} sent an inconsistent status: {what}")
-
-    def _release_failed(self) -> None:
-        self._free_blocks_locked()
-        self._m._forget(self)
-        self._notify()
+        self.abort(FailureKind.PROTOCOL, f"{self.peer_name} sent an inconsistent status: {what}")
 
     def _notify(self) -> None:
         self._changed.notify_all()
         self._m._any_change.notify_all()
         self._m.on_change()
-
-    def wait(self, timeout: float) -> KVPoll:
-        """Block until the status changes (or ``timeout``); returns the status then."""
-        with self._m._lock:
-            before = self.state.progress
-            if not before.terminal:
-                self._changed.wait_for(lambda: self.state.progress != before or self._early_ok, timeout)
-            return self.state.status
 
 
 class EmbeddingReceiverManager:
@@ -396,12 +435,8 @@ class EmbeddingReceiverManager:
         self.stats: collections.Counter[str] = collections.Counter()
         self._lock = threading.RLock()
         self._rooms: dict[int, EmbeddingReceiver] = {}
-        self._routes: dict[str, RankRoute] = {}  # bootstrap addr -> encode rank
         self._registered: set[tuple[str, int]] = set()  # encode ranks that have our register
-        self._heartbeat_misses: collections.Counter[str] = collections.Counter()
-        self._sleeping_peers: dict[str, float] = {}  # bootstrap addr -> when it was first seen asleep
-        self._durable_peers: set[str] = set()  # asleep with their rooms on disk: they may restart meanwhile
-        self._incarnations: dict[str, str] = {}  # bootstrap addr -> the encoder process our rooms are bound to
+        self.encoders = EncoderPeers(config.heartbeat_interval)
         self._any_change = threading.Condition(self._lock)
         transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
         self._context = zmq.Context()
@@ -409,27 +444,39 @@ class EmbeddingReceiverManager:
         self._pull = PullLoop(self._context, config.host, self._on_message, "language-connector-pull")
         self.rank_port = self._pull.port
         self._stop = threading.Event()
-        self._http = requests.Session()
-        self._heartbeat = threading.Thread(target=self._watch, name="language-heartbeat", daemon=True)
-        self._heartbeat.start()
+        self._watcher = threading.Thread(target=self._watch, name="language-peer-watch", daemon=True)
+        self._watcher.start()
 
-    def create_receiver(self, bootstrap_addr: str, room: int) -> EmbeddingReceiver:
-        """Look up the encode rank (cached per bootstrap address) and register with it once."""
+    def resolve(self, bootstrap_addr: str, room: int) -> Future:
+        """The encode rank serving ``room`` (a future: cached, or one lookup per peer at a time).
+        Fails with ``ConnectionError`` naming the peer."""
+        return self.encoders.resolve(bootstrap_addr, room)
+
+    def create_receiver(self, bootstrap_addr: str, room: int, route: RankRoute | None = None) -> EmbeddingReceiver:
+        """A receiver for ``room`` at the given (or looked-up, blocking) route."""
+        if route is None:
+            route = self.resolve(bootstrap_addr, room).result()
         with self._lock:
             if room in self._rooms:
                 raise ValueError(f"room {room} is already receiving")
-            route = self._routes.get(bootstrap_addr)
-        if route is None:
-            route = fetch_route(bootstrap_addr, room)
-        with self._lock:
-            if room in self._rooms:  # taken while the route was looked up
-                raise ValueError(f"room {room} is already receiving")
-            self._routes[bootstrap_addr] = route
-            if route.incarnation:
-                self._incarnations.setdefault(bootstrap_addr, route.incarnation)
             receiver = EmbeddingReceiver(self, bootstrap_addr, room, route)
             self._rooms[room] = receiver
             return receiver
+
+    def dead_peer(self, bootstrap_addr: str) -> str:
+        """Why the encoder at ``bootstrap_addr`` was declared dead ("" while it is not)."""
+        return self.encoders.peer(bootstrap_addr).dead
+
+    def abandon(self, bootstrap_addr: str, room: int, route: RankRoute | None = None) -> None:
+        """A request with no receiver is gone: tell the encoder (at once when its route is known,
+        else once a lookup finds it) so it drops any encode of the room. Nothing waits for the
+        answer: no block is involved."""
+        frames = AbortMsg(room, self.config.host, self.rank_port, self.generation).encode()
+        if route is not None:
+            self._send_to(route, frames)
+        else:
+            self.resolve(bootstrap_addr, room).add_done_callback(
+                lambda found: found.exception() or self._send_to(found.result(), frames))
 
     def active_rooms(self) -> int:
         with self._lock:
@@ -442,14 +489,14 @@ class EmbeddingReceiverManager:
         for receiver in receivers:
             receiver.suspend()
         with self._lock:
-            done = lambda: all(r._suspend_acked or r.state.progress.terminal for r in receivers)  # noqa: E731
-            if not self._wait(done, timeout):
-                silent = [r for r in receivers if not (r._suspend_acked or r.state.progress.terminal)]
+            settled = lambda r: r.phase in (R.SUSPENDED, R.LANDED, R.CLOSED, R.ABORTING)  # noqa: E731
+            if not self._wait(lambda: all(settled(r) for r in receivers), timeout):
+                silent = [r for r in receivers if not settled(r)]
                 for r in silent:
-                    r.abort(f"timeout: {r.peer_name} did not acknowledge the suspend within {timeout:g}s")
-                # Their blocks come back with the abort's ack or its timeout; the pool can only be
-                # released after that.
-                self._wait(lambda: not any(r._blocks_owned for r in silent), self.config.abort_ack_timeout + 1)
+                    r.abort(FailureKind.TIMEOUT, f"{r.peer_name} did not acknowledge the suspend within {timeout:g}s")
+            # Blocks of aborted rooms come back with the ack or its timeout; the pool can only be
+            # released after that.
+            self._wait(lambda: not any(r.phase == R.ABORTING for r in receivers), self.config.abort_ack_timeout + 1)
 
     def _wait(self, predicate, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -481,12 +528,14 @@ class EmbeddingReceiverManager:
         with self._lock:
             if ckpt.room in self._rooms:
                 raise ValueError(f"room {ckpt.room} is already receiving")
-            self._routes.setdefault(ckpt.bootstrap_addr, ckpt.route)
+            peer = self.encoders.peer(ckpt.bootstrap_addr)
+            peer.route = peer.route or ckpt.route
             if ckpt.route.incarnation:  # a new encoder process answers with another one: rebind then
-                self._incarnations.setdefault(ckpt.bootstrap_addr, ckpt.route.incarnation)
+                peer.incarnation = peer.incarnation or ckpt.route.incarnation
             r = EmbeddingReceiver(self, ckpt.bootstrap_addr, ckpt.room, ckpt.route)
             r.total_tokens, r._aux, r.resume_rounds = ckpt.total_tokens, ckpt.aux, ckpt.resume_rounds
-            r._out, r._spilled, r._round_end, r._needs_resume = ckpt.data, ckpt.landed, ckpt.landed, True
+            r._out, r._spilled, r._round_end = ckpt.data, ckpt.landed, ckpt.landed
+            r.phase = R.RESTORED
             self._rooms[ckpt.room] = r
             return r
 
@@ -501,7 +550,8 @@ class EmbeddingReceiverManager:
 
     def close(self) -> None:
         self._stop.set()
-        self._heartbeat.join(timeout=10)
+        self._watcher.join(timeout=10)
+        self.encoders.close()
         self._pull.close()
         self._push.close()
         self._context.term()
@@ -514,7 +564,14 @@ class EmbeddingReceiverManager:
                            self.generation, self.pool.num_blocks, self.pool.item_lens)
 
     def _send(self, receiver: EmbeddingReceiver, frames: list[bytes]) -> None:
-        route = receiver.route
+        if not self._send_to(receiver.route, frames):
+            with self._lock:  # the encoder never got it; an aborting room still waits for its ack
+                if receiver.phase not in (R.CLOSED, R.ABORTING):
+                    receiver.state.fail(FailureKind.PEER_UNREACHABLE, f"cannot reach {receiver.peer_name}")
+                    receiver._close()
+
+    def _send_to(self, route: RankRoute, frames: list[bytes]) -> bool:
+        """Send to an encode rank, registering with it first; False when it cannot take messages."""
         key = (route.rank_ip, route.rank_port)
         try:
             with self._lock:
@@ -522,10 +579,10 @@ class EmbeddingReceiverManager:
                     self._push.send(route.rank_ip, route.rank_port, self._register_msg().encode())
                     self._registered.add(key)
             self._push.send(route.rank_ip, route.rank_port, frames)
+            return True
         except zmq.ZMQError as exc:
-            with self._lock:
-                receiver.state.fail(f"cannot reach {receiver.peer_name}: {exc}")
-                receiver._release_failed()
+            log.warning("cannot reach encode rank %s:%d: %s", route.rank_ip, route.rank_port, exc)
+            return False
 
     def _forget(self, receiver: EmbeddingReceiver) -> None:
         if self._rooms.get(receiver.room) is receiver:
@@ -540,6 +597,9 @@ class EmbeddingReceiverManager:
             self.stats["bad_message"] += 1
             log.warning("dropping malformed status message: %s", exc)
             return
+        if isinstance(msg, PingMsg):  # on the socket our other messages to that rank use: ordered after them
+            self._push.try_send(msg.endpoint, msg.port, PongMsg(self.transport.session_id, msg.seq).encode())
+            return
         with self._lock:
             receiver = self._rooms.get(msg.room)
             if receiver is None:
@@ -547,22 +607,22 @@ class EmbeddingReceiverManager:
                 log.debug("message for unknown room %d dropped", msg.room)
                 return
             if isinstance(msg, SuspendAckMsg):
-                if msg.generation == self.generation:
-                    receiver._suspend_acked = True
+                if msg.generation == self.generation and receiver.phase == R.SUSPENDING:
+                    receiver._move(R.SUSPENDED)
                     receiver._notify()
                 else:
                     self.stats["stale_message"] += 1
                 return
             if isinstance(msg, AbortAckMsg):
-                if msg.generation == self.generation and receiver.state.status == KVPoll.Failed:
+                if msg.generation == self.generation and receiver.phase == R.ABORTING:
                     self.stats["abort_acked"] += 1
-                    receiver._release_failed()
+                    receiver._close()
                 else:
                     self.stats["stale_message"] += 1
                 return
             receiver._on_status(msg)
 
-    # ---- heartbeat and timeouts -----------------------------------------------------------------
+    # ---- peer watch and timeouts ------------------------------------------------------------------
 
     def _watch(self) -> None:
         interval = self.config.heartbeat_interval
@@ -572,86 +632,85 @@ class EmbeddingReceiverManager:
             self._check_timeouts(now)
             if now >= next_beat:
                 next_beat = now + interval
-                self._beat()
+                with self._lock:
+                    addrs = {r.bootstrap_addr for r in self._rooms.values()}
+                self.encoders.probe(addrs, self._on_probe)
 
     def _check_timeouts(self, now: float) -> None:
         with self._lock:
             for receiver in list(self._rooms.values()):
-                since = receiver._awaiting_ack_since
-                if since is not None and now - since > self.config.abort_ack_timeout:
-                    log.warning("room %d: no ABORT_ACK from %s within %gs; declaring it dead for this room",
-                                receiver.room, receiver.peer_name, self.config.abort_ack_timeout)
-                    receiver._release_failed()
-                elif receiver.bootstrap_addr in self._sleeping_peers:
-                    asleep_for = now - self._sleeping_peers[receiver.bootstrap_addr]
-                    if asleep_for > self.config.max_sleep:
-                        receiver.abort(f"timeout: {receiver.peer_name} slept longer than {self.config.max_sleep:g}s")
-                elif (receiver.state.status == KVPoll.WaitingForInput
+                peer = self.encoders.peer(receiver.bootstrap_addr)
+                if receiver.phase == R.ABORTING:
+                    if now - receiver._aborted_at > self.config.abort_ack_timeout:
+                        log.warning("room %d: no ABORT_ACK from %s within %gs; its blocks are freed",
+                                    receiver.room, receiver.peer_name, self.config.abort_ack_timeout)
+                        receiver._close()
+                elif peer.asleep_since is not None:
+                    if now - peer.asleep_since > self.config.max_sleep:
+                        receiver.abort(FailureKind.TIMEOUT,
+                                       f"{receiver.peer_name} slept longer than {self.config.max_sleep:g}s")
+                elif (receiver.phase in (R.WAITING, R.EARLY)
                       and now - receiver._last_progress > self.config.waiting_timeout):
-                    receiver.abort(f"timeout: no data from {receiver.peer_name} within "
-                                          f"{self.config.waiting_timeout:g}s")
+                    receiver.abort(FailureKind.TIMEOUT, f"no data from {receiver.peer_name} within "
+                                                        f"{self.config.waiting_timeout:g}s")
 
-    def _beat(self) -> None:
+    def _on_probe(self, addr: str, probe: Probe) -> None:
+        """One health probe's answer: a sleeping peer is alive (its rooms wait up to ``max_sleep``);
+        one that answers as a new process gets every outstanding request of our rooms again;
+        ``heartbeat_max_failures`` failures in a row and it is dead."""
+        if probe.ok:
+            self._note_health(addr, probe.text, probe.incarnation)
+            return
         with self._lock:
-            addrs = {r.bootstrap_addr for r in self._rooms.values() if r.state.status != KVPoll.Failed}
-        for addr in addrs:
-            base = addr if addr.startswith("http") else f"http://{addr}"
-            try:
-                resp = self._http.get(f"{base}/health", timeout=self.config.heartbeat_interval)
-                ok, why = resp.status_code == 200, f"HTTP {resp.status_code}"
-            except requests.RequestException as exc:
-                ok, why = False, type(exc).__name__
-            if ok:
-                self._heartbeat_misses.pop(addr, None)
-                self._note_health(addr, resp.text, resp.headers.get(INCARNATION_HEADER))
-                continue
-            if addr in self._durable_peers:  # restarting from its checkpoint: its rooms wait (up to max_sleep)
+            peer = self.encoders.peer(addr)
+            if probe.gone:  # no process: nothing can write into our blocks any more
+                for receiver in [r for r in self._rooms.values() if r.bootstrap_addr == addr]:
+                    if receiver.phase == R.ABORTING:
+                        receiver._close()
+            if peer.durable:  # restarting from its checkpoint: its rooms wait (up to max_sleep)
                 self.stats["durable_peer_unreachable"] += 1
-                continue
-            self._heartbeat_misses[addr] += 1
-            if self._heartbeat_misses[addr] >= self.config.heartbeat_max_failures:
-                self._declare_dead(addr, f"{self._heartbeat_misses[addr]} heartbeats missed ({why})")
+                return
+            peer.misses += 1
+            if peer.misses >= self.config.heartbeat_max_failures:
+                self._declare_dead(addr, f"{peer.misses} heartbeats missed ({probe.why})", probe.gone)
 
     def _note_health(self, addr: str, text: str, incarnation: str | None) -> None:
-        """A sleeping encoder is alive: its rooms wait (up to ``max_sleep``) instead of timing out.
-
-        One that answers awake as a new process (a restart, maybe from its checkpoint) gets
-        every outstanding request of our rooms again.
-        """
-        sleeping = text.startswith("SLEEPING")
+        peer = self.encoders.peer(addr)
         with self._lock:
-            if sleeping:
-                self._sleeping_peers.setdefault(addr, time.monotonic())
-                if text.startswith("SLEEPING checkpointed"):
-                    if addr not in self._durable_peers:
-                        self.stats["durable_sleepers_seen"] += 1
-                    self._durable_peers.add(addr)
-                else:
-                    self._durable_peers.discard(addr)
+            peer.misses, peer.dead = 0, ""
+            if text.startswith("SLEEPING"):
+                peer.asleep_since = peer.asleep_since or time.monotonic()
+                if text.startswith("SLEEPING checkpointed") and not peer.durable:
+                    self.stats["durable_sleepers_seen"] += 1
+                peer.durable = text.startswith("SLEEPING checkpointed")
                 return
-            self._durable_peers.discard(addr)
-            if self._sleeping_peers.pop(addr, None) is not None:
+            peer.durable = False
+            if peer.asleep_since is not None:
+                peer.asleep_since = None
                 for receiver in self._rooms.values():
                     if receiver.bootstrap_addr == addr:
                         receiver._last_progress = time.monotonic()
-            known = self._incarnations.setdefault(addr, incarnation) if incarnation else None
-        if known is not None and known != incarnation:
+            known = peer.incarnation = peer.incarnation or incarnation
+        if incarnation and known != incarnation:
             self._rebind(addr, incarnation)
 
     def _rebind(self, addr: str, incarnation: str) -> None:
         """Point the rooms of a restarted encoder at its new rank and repeat what it owes them."""
         with self._lock:
             room = next((r.room for r in self._rooms.values() if r.bootstrap_addr == addr), 0)
+        old = self.encoders.forget_route(addr)
+        # Not waited for here: this runs on the pool the lookup needs.
+        self.resolve(addr, room).add_done_callback(functools.partial(self._rebound, addr, incarnation, old))
+
+    def _rebound(self, addr: str, incarnation: str, old: RankRoute | None, lookup: Future) -> None:
         try:
-            route = fetch_route(addr, room)
-        except ConnectionError as exc:  # asked again at the next heartbeat
+            route = lookup.result()
+        except ConnectionError as exc:  # asked again at the next probe
             log.warning("encode peer %s restarted but its route is not readable yet: %s", addr, exc)
             return
         with self._lock:  # rooms created meanwhile took the old route: they are in this list too
             rooms = [r for r in self._rooms.values() if r.bootstrap_addr == addr and not r.state.progress.terminal]
-            self._incarnations[addr] = route.incarnation or incarnation
-            old = self._routes.get(addr)
-            self._routes[addr] = route
+            self.encoders.peer(addr).incarnation = route.incarnation or incarnation
             if old is not None:
                 self._registered.discard((old.rank_ip, old.rank_port))
                 self._push.drop(old.rank_ip, old.rank_port)
@@ -661,17 +720,26 @@ class EmbeddingReceiverManager:
         log.warning("encode peer %s restarted (rank now %s:%d); %d rooms asked again",
                     addr, route.rank_ip, route.rank_port, len(rooms))
 
-    def _declare_dead(self, addr: str, why: str) -> None:
-        with self._lock:
-            self._heartbeat_misses.pop(addr, None)
-            self._incarnations.pop(addr, None)
-            route = self._routes.pop(addr, None)
+    def _declare_dead(self, addr: str, why: str, gone: bool) -> None:
+        """Fail every unfinished room of the peer (lock held). A peer whose process is gone writes
+        nothing more, so its rooms' blocks come back at once; one that only stopped answering
+        (frozen, cut off) may still write when it comes back, so its rooms are aborted and their
+        blocks wait for its ack (it handles our abort before it answers a ping again, so it
+        starts no new write for them), for it to be found gone, or for the ack timeout."""
+        peer = self.encoders.peer(addr)
+        peer.misses, peer.incarnation, peer.dead = 0, None, why
+        if gone:  # a restarted process has another rank: look it up again
+            route = self.encoders.forget_route(addr)
             if route is not None:
                 self._registered.discard((route.rank_ip, route.rank_port))
                 self._push.drop(route.rank_ip, route.rank_port)
-            for receiver in [r for r in self._rooms.values() if r.bootstrap_addr == addr]:
-                receiver.state.fail(f"{receiver.peer_name} is dead: {why}")
-                receiver._release_failed()
+        for receiver in [r for r in self._rooms.values() if r.bootstrap_addr == addr]:
+            reason = f"{receiver.peer_name} is dead: {why}"
+            if receiver.phase in _MAYBE_IN_FLIGHT and not gone:
+                receiver.abort(FailureKind.PEER_DEAD, reason)
+            elif receiver.phase not in (R.LANDED, R.CLOSED) and (gone or receiver.phase != R.ABORTING):
+                receiver.state.fail(FailureKind.PEER_DEAD, reason)
+                receiver._close()
         self.stats["peer_dead"] += 1
         log.error("encode peer %s declared dead: %s", addr, why)
 
@@ -691,7 +759,7 @@ def receive_embedding(manager: EmbeddingReceiverManager, bootstrap_addr: str, ro
     receiver.clone_concat = clone_concat
     blocks = manager.allocate_waiting(first_blocks or manager.config.default_allocate_blocks, deadline)
     if blocks is None:
-        receiver.abort("timeout: no free blocks for the default allocation")
+        receiver.abort(FailureKind.TIMEOUT, "no free blocks for the default allocation")
         receiver.failure_exception()
     receiver.init(blocks)
     return finish_receiving(receiver, deadline - time.monotonic()), receiver
@@ -708,7 +776,7 @@ def finish_receiving(receiver: EmbeddingReceiver, timeout: float) -> Embedding:
             receiver.failure_exception()
         left = deadline - time.monotonic()
         if left <= 0:
-            receiver.abort(f"timeout: room not done within {timeout:g}s")
+            receiver.abort(FailureKind.TIMEOUT, f"room not done within {timeout:g}s")
             receiver.failure_exception()
         if receiver.try_resume():
             continue

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from connector.failures import FailureKind, TransferFailure
 from connector.http_util import asleep_error
 
 log = logging.getLogger(__name__)
@@ -18,6 +21,7 @@ class WorkerState(enum.Enum):
     FALLING_ASLEEP = "falling_asleep"
     ASLEEP = "asleep"
     WAKING = "waking"
+    STOPPING = "stopping"  # shutting down: every request is refused, for good
 
 
 class SleepGate:
@@ -31,22 +35,30 @@ class SleepGate:
         self.role, self.queue_while_sleeping, self.max_wait = role, queue_while_sleeping, max_wait
         self.state = WorkerState.AWAKE
         self._serial = threading.Lock()
-        self._changed = threading.Condition()
+        self._state_lock = threading.Lock()
 
     def is_sleeping(self) -> bool:
-        return self.state != WorkerState.AWAKE
+        return self.state not in (WorkerState.AWAKE, WorkerState.STOPPING)
 
     def check_admission(self) -> None:
         """Raise the 503 for a request that may neither run nor wait now."""
+        if self.state == WorkerState.STOPPING:
+            raise TransferFailure(FailureKind.SHUTTING_DOWN, f"the {self.role} worker is shutting down")
         if self.is_sleeping() and not self.queue_while_sleeping:
             raise asleep_error(self.role)
 
-    def wait_awake(self) -> None:
-        """Block a request until the worker is awake (or raise the 503)."""
-        self.check_admission()
-        with self._changed:
-            if not self._changed.wait_for(lambda: self.state == WorkerState.AWAKE, self.max_wait):
+    async def wait_awake(self) -> None:
+        """Wait (without holding a thread) until the worker is awake, or raise the 503."""
+        deadline = time.monotonic() + self.max_wait
+        while self.state != WorkerState.AWAKE:
+            self.check_admission()
+            if time.monotonic() > deadline:
                 raise asleep_error(self.role)
+            await asyncio.sleep(0.05)
+
+    def stop(self) -> None:
+        """The worker shuts down: refuse everything from now on (final, even for a sleep under way)."""
+        self._set(WorkerState.STOPPING)
 
     @contextmanager
     def falling_asleep(self) -> Iterator[bool]:
@@ -85,6 +97,6 @@ class SleepGate:
         self._set(WorkerState.ASLEEP)
 
     def _set(self, state: WorkerState) -> None:
-        with self._changed:
-            self.state = state
-            self._changed.notify_all()
+        with self._state_lock:
+            if self.state != WorkerState.STOPPING:
+                self.state = state

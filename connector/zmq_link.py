@@ -10,9 +10,15 @@ import zmq
 
 log = logging.getLogger(__name__)
 
+_QUEUE_LIMIT = 100_000  # control messages queued for one peer (a few hundred bytes each)
+
 
 class PushSockets:
-    """PUSH sockets keyed by ``(host, port)``; ZMQ sockets are not thread-safe, so one lock."""
+    """PUSH sockets keyed by ``(host, port)``; ZMQ sockets are not thread-safe, so one lock.
+
+    Messages to one peer leave in the order they were sent. A send never blocks: a peer that
+    has not taken ``_QUEUE_LIMIT`` messages is not reading, and the send raises ``zmq.Again``.
+    """
 
     def __init__(self, context: zmq.Context) -> None:
         self._context = context
@@ -25,10 +31,21 @@ class PushSockets:
             if sock is None:
                 sock = self._context.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 1000)
-                sock.setsockopt(zmq.SNDTIMEO, 5000)
+                sock.setsockopt(zmq.SNDHWM, _QUEUE_LIMIT)
+                sock.setsockopt(zmq.SNDTIMEO, 0)
                 sock.connect(f"tcp://{_bracket(host)}:{port}")
                 self._sockets[(host, port)] = sock
             sock.send_multipart(frames)
+
+    def try_send(self, host: str, port: int, frames: list[bytes]) -> bool:
+        """:meth:`send`, logging instead of raising when the peer cannot take the message (its
+        rooms then end by liveness checks or timeouts)."""
+        try:
+            self.send(host, port, frames)
+            return True
+        except zmq.ZMQError as exc:
+            log.warning("cannot reach peer %s:%d: %s", host, port, exc)
+            return False
 
     def drop(self, host: str, port: int) -> None:
         with self._lock:
