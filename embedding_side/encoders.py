@@ -64,6 +64,12 @@ def grid_for(image: Image.Image) -> tuple[int, int, int]:
     return 1, h // PATCH, w // PATCH
 
 
+def tokens_for(image: Image.Image) -> int:
+    """Embedding tokens of one image, known before it is encoded (ValueError for a refused shape)."""
+    t, h, w = grid_for(image)
+    return t * h * w // (MERGE * MERGE)
+
+
 def to_bf16_bytes(values: np.ndarray) -> np.ndarray:
     """float32 [n, hidden] -> bf16 bytes [n, hidden * 2], round to nearest even."""
     bits = np.ascontiguousarray(values, np.float32).view(np.uint32)

@@ -1,41 +1,60 @@
-"""The encode worker: images -> encoder -> block pool -> connector sender.
+"""The encode worker: images -> encoder -> host staging -> connector sender -> delivered.
 
-One request: load and decode every image (400 on bad input), encode them in order into one
-embedding, compute fill ids and M-RoPE positions, write it into source blocks (waiting while
-the pool is full) and hand the blocks to the room's sender, which moves them to the language
-side in as many rounds as that side asks for and frees them afterwards.
+One request (``POST /encode``), each step bounded:
 
-Sleep lets running encodes finish, stops every write, keeps each room's source data in host
-memory (``preserve_state=true``) or fails the rooms (``false``), releases the pool and
-offloads the weights; the bootstrap server stays up and reports ``SLEEPING`` so peers wait.
-With a checkpoint folder the kept rooms also go to disk, ``/health`` says ``SLEEPING
-checkpointed`` (peers then wait even while this process is gone), and a worker started on
-that folder boots asleep and continues those rooms after ``/wake_up``.
+1. admission: at most ``max_queued_requests`` requests between arrival and answer, else 503
+   at once (not for a room a language worker already asked for);
+2. load and decode every image (400 on bad input); the token count follows from the sizes,
+   so an embedding that can never fit the pool is refused (413) before any work;
+3. reserve host memory for the embedding (:class:`connector.staging.StagingBudget`): at once
+   if a language worker already asked for the room, else in arrival order within the budget,
+   waiting at most ``queue_timeout`` (then 503);
+4. encode (one forward pass at a time; skipped if the room failed meanwhile);
+5. hand the embedding to the room's sender, which places it in pool blocks and writes it in
+   as many rounds as the language side asks for;
+6. answer once every destination has every token (200), or with the failure's status: 5xx
+   naming the peer, 503 with ``Retry-After`` for capacity. ``"wait_for_delivery": false``
+   answers after step 5 instead (``"delivered": false``).
+
+A request that fails or is refused at any step fails its room on both sides (its language peer,
+now or when its init comes, gets ``Failed`` with the reason); a client that disconnects
+cancels its request the same way. Nothing runs for a room nobody waits for.
+
+Sleep lets running encodes finish, stops every write, keeps each room's embedding in host
+memory (``preserve_state=true``) or fails the rooms (``false``), releases the pool and offloads
+the weights; the bootstrap server stays up and reports ``SLEEPING`` so peers wait. With a
+checkpoint folder the kept rooms also go to disk, ``/health`` says ``SLEEPING checkpointed``
+(peers then wait even while this process is gone), and a worker started on that folder boots
+asleep and continues those rooms after ``/wake_up``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from connector import checkpoint as checkpoint_files
 from connector.allocator import BlockAllocator, pool_blocks
 from connector.bootstrap import BootstrapServer
-from connector.buffers import AUX_INTS, BufferPool, Embedding
+from connector.buffers import AUX_INTS, DTYPE_SIZES, BufferPool, Embedding
 from connector.checkpoint import CheckpointError
 from connector.config import ConnectorConfig
-from connector.http_util import HTTPError
+from connector.failures import FailureKind, TransferFailure
+from connector.http_util import wait_for_future
 from connector.metrics import WorkerMetrics
 from connector.mooncake_transport import MooncakeTransport
-from connector.sender import EmbeddingSenderManager, SenderRoomCheckpoint
-from connector.sleep import SleepGate
+from connector.sender import EmbeddingSender, EmbeddingSenderManager, SenderRoomCheckpoint
+from connector.sleep import SleepGate, WorkerState
 from embedding_side import checkpoint
-from embedding_side.encoders import VisionEncoder
+from embedding_side.encoders import VisionEncoder, tokens_for
 from embedding_side.images import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S, ImageInputError, load_image
 from embedding_side.positions import image_positions
 
@@ -65,13 +84,15 @@ class EncodeWorker:
         self._on_disk = False  # asleep with every kept room written to the checkpoint folder
         self.bootstrap = BootstrapServer(config.host, bootstrap_port, health_status=self._bootstrap_health)
         self.bootstrap.put_route(1, 1, config.host, self.sender.rank_port, 0)
-        self.metrics = WorkerMetrics("encode", lambda: pool_blocks(self.allocator))
-        self._encode_lock = threading.Lock()  # one forward pass at a time; the cores are few
-        self._in_flight: set[str] = set()
+        self._loaders = ThreadPoolExecutor(4, thread_name_prefix="encode-load")
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="encode-compute")  # the cores are few
         self._lock = threading.Lock()
-        # Notified when an encode request ends. On the same lock as the admission check, so a
-        # sleep cannot see no request in flight while one is being admitted.
+        self._pending: set[str] = set()  # rids between arrival and answer
+        self._computing = 0
+        # Notified when an encode's forward pass ends. On the same lock as the check before one
+        # starts, so a sleep cannot see none running while one is about to.
         self._idle = threading.Condition(self._lock)
+        self.metrics = WorkerMetrics("encode", lambda: pool_blocks(self.allocator), self._queues)
         self._restart = bool(checkpoint_dir) and checkpoint_files.exists(checkpoint_dir, checkpoint.ROLE)
         if self._restart:  # a checkpoint waits on disk: boot asleep until /wake_up
             self.sender.pause()
@@ -85,76 +106,144 @@ class EncodeWorker:
             return "OK"
         return "SLEEPING checkpointed" if self._on_disk else "SLEEPING"
 
-    def encode(self, rid: str, room: int, image_refs: list[str]) -> dict:
-        """Encode one request and start its transfer; returns the HTTP reply body."""
-        if not image_refs or len(image_refs) > self.limits.max_images:
-            raise HTTPError(400, f"images must be a list of 1 to {self.limits.max_images} references")
-        self.gate.wait_awake()
-        with self._lock:
-            if self.gate.is_sleeping():  # fell asleep between the check and here
-                raise HTTPError(503, "the encode worker is falling asleep", {"Retry-After": "5"})
-            if rid in self._in_flight:
-                raise HTTPError(409, f"request {rid!r} is already being encoded")
-            self._in_flight.add(rid)
+    def _queues(self) -> dict[str, int]:
+        return {"pending": len(self._pending), **self.sender.queue_stats()}
+
+    # ---- one request -----------------------------------------------------------------------------
+
+    async def encode(self, rid: str, room: int, image_refs: list, wait_for_delivery: object = True) -> dict:
+        """Encode one request and deliver it; returns the HTTP reply body or raises
+        :class:`TransferFailure` (its kind gives the HTTP status)."""
         start = time.monotonic()
         try:
-            return self._encode(rid, room, image_refs, start)
-        except HTTPError as exc:
-            self.metrics.failure("bad_input" if exc.status < 500 else "pool_full")
+            if not image_refs or len(image_refs) > self.limits.max_images:
+                raise TransferFailure(FailureKind.BAD_REQUEST,
+                                      f"images must be a list of 1 to {self.limits.max_images} references")
+            if not all(isinstance(ref, str) for ref in image_refs):
+                raise TransferFailure(FailureKind.BAD_REQUEST,
+                                      "images must be strings (path, file://, http(s):// or data: URI)")
+            if not isinstance(wait_for_delivery, bool):
+                raise TransferFailure(FailureKind.BAD_REQUEST, "wait_for_delivery must be true or false")
+            await self.gate.wait_awake()
+            self._enter(rid, room)
+        except TransferFailure as exc:
+            if exc.kind != FailureKind.CONFLICT:  # a duplicate must not fail the request that owns the room
+                self.sender.refuse(room, exc.kind, str(exc))
+            self.metrics.failure(exc.kind)
+            raise
+        except asyncio.CancelledError:  # the client went away while it waited for the wake-up
+            self.sender.refuse(room, FailureKind.CANCELLED, "the encode request's client went away")
+            raise
+        try:
+            try:
+                sender = self.sender.create_sender(room)
+            except ValueError as exc:
+                raise TransferFailure(FailureKind.CONFLICT, str(exc)) from None
+            try:
+                reply = await self._encode(rid, sender, image_refs)
+                if wait_for_delivery:
+                    await wait_for_future(sender.delivered, lambda: None)
+            except TransferFailure as exc:
+                sender.abort(exc.kind, str(exc))
+                raise
+            except asyncio.CancelledError:
+                self.metrics.cancelled(sender.phase.value)
+                sender.abort(FailureKind.CANCELLED, "the encode request's client went away")
+                raise
+            except Exception as exc:  # a bug or an encoder error: fail the room on both sides too
+                log.exception("rid=%s room=%d: encode failed", rid, room)
+                failure = TransferFailure(FailureKind.INTERNAL, f"encode failed: {type(exc).__name__}: {exc}")
+                sender.abort(failure.kind, str(failure))
+                raise failure from exc
+        except TransferFailure as exc:
+            self.metrics.failure(exc.kind)
             raise
         finally:
-            with self._idle:
-                self._in_flight.discard(rid)
-                self._idle.notify_all()
+            self._leave(rid)
+        tokens = reply["num_tokens"]
+        self.metrics.success(tokens, tokens * self.config.hidden_size * DTYPE_SIZES[self.config.dtype], 0,
+                             time.monotonic() - start)
+        return {**reply, "delivered": wait_for_delivery}
 
-    def _encode(self, rid: str, room: int, image_refs: list[str], start: float) -> dict:
+    def _enter(self, rid: str, room: int) -> None:
+        with self._lock:
+            self.gate.check_admission()
+            if rid in self._pending:
+                raise TransferFailure(FailureKind.CONFLICT, f"request {rid!r} is already being encoded")
+            # A room a language worker already holds blocks for is never refused for being one too
+            # many: that worker waits on it (docs/flow_control.md).
+            if len(self._pending) >= self.config.max_queued_requests and not self.sender.asked_for(room):
+                raise TransferFailure(FailureKind.OVERLOADED, f"{len(self._pending)} encode requests are queued "
+                                                              f"(limit {self.config.max_queued_requests})")
+            self._pending.add(rid)
+
+    def _leave(self, rid: str) -> None:
+        with self._lock:
+            self._pending.discard(rid)
+
+    async def _encode(self, rid: str, sender: EmbeddingSender, refs: list[str]) -> dict:
+        """Steps 2 to 5 of the module docstring; returns the reply body."""
+        loop = asyncio.get_running_loop()
+        sender.failure_exception()  # aborted by its language peer before it arrived
         try:
-            images = [load_image(ref, self.limits.max_bytes, self.limits.fetch_timeout) for ref in image_refs]
+            images = await loop.run_in_executor(self._loaders, self._load, refs)
         except ImageInputError as exc:
-            raise HTTPError(400, str(exc)) from None
+            raise TransferFailure(FailureKind.BAD_REQUEST, str(exc)) from None
         try:
-            sender = self.sender.create_sender(room)
-        except ValueError as exc:
-            raise HTTPError(409, str(exc)) from None
-        try:
-            with self._encode_lock:
-                encoded = self.encoder.encode(images)
+            tokens = sum(tokens_for(image) for image in images)
         except ValueError as exc:  # e.g. an aspect ratio Qwen refuses
-            sender.abort(f"encoding failed: {exc}")
-            raise HTTPError(400, f"cannot encode: {exc}") from None
-        emb = self._embedding(encoded.embeddings, encoded.grid_thw)
-        blocks = self._allocate(self.pool.blocks_for(emb.num_tokens), start)
-        if blocks is None:
-            sender.abort("encode pool full")
-            raise HTTPError(503, f"encode pool full: {emb.num_tokens} tokens did not fit within "
-                                 f"{self.config.bootstrap_timeout:g}s")
-        self.pool.write(blocks, emb)
-        sender.send(blocks, emb.num_tokens)
-        self.metrics.success(emb.num_tokens, emb.embeddings.nbytes, 0, time.monotonic() - start)
-        log.info("rid=%s room=%d: %d images -> %d tokens", rid, room, len(image_refs), emb.num_tokens)
-        return {"rid": rid, "num_tokens": emb.num_tokens, "hidden_size": emb.hidden_size, "dtype": emb.dtype,
-                "sha256": emb.sha256(), "grid_thw": [list(g) for g in encoded.grid_thw]}
+            raise TransferFailure(FailureKind.BAD_REQUEST, f"cannot encode: {exc}") from None
+        if self.sender.blocks_for(tokens) > self.config.num_blocks:
+            raise TransferFailure(FailureKind.TOO_LARGE, f"the embedding needs {self.sender.blocks_for(tokens)} "
+                                                         f"blocks ({tokens} tokens); the encode pool has "
+                                                         f"{self.config.num_blocks}")
+        granted = asyncio.wrap_future(sender.admit(self.sender.staged_bytes_for(tokens)))
+        done, _ = await asyncio.wait({granted}, timeout=self.config.queue_timeout)
+        if not done:
+            granted.cancel()
+            raise TransferFailure(FailureKind.OVERLOADED, f"no host memory for the embedding within "
+                                                          f"{self.config.queue_timeout:g}s ({self.sender.staging.used} "
+                                                          f"of {self.config.staging_bytes} bytes staged)")
+        granted.result()  # raises if the room failed while it waited
+        while (encoded := await loop.run_in_executor(self._compute, self._run_encoder, sender, images)) is None:
+            await self.gate.wait_awake()  # it fell asleep before this encode could start
+        embedding, grids = encoded
+        sender.send(embedding)
+        log.info("rid=%s room=%d: %d images -> %d tokens", rid, sender.room, len(refs), embedding.num_tokens)
+        return {"rid": rid, "num_tokens": embedding.num_tokens, "hidden_size": embedding.hidden_size,
+                "dtype": embedding.dtype, "sha256": embedding.sha256(), "grid_thw": grids}
 
-    def _embedding(self, data, grids) -> Embedding:
-        fill_ids, mrope, delta = image_positions(grids)
-        emb = Embedding(data, fill_ids, mrope, np.zeros(AUX_INTS, np.int32), self.config.hidden_size, self.config.dtype)
-        emb.aux[0], emb.aux[1] = emb.num_tokens, delta
-        return emb
+    def _load(self, refs: list[str]) -> list[Image.Image]:
+        return [load_image(ref, self.limits.max_bytes, self.limits.fetch_timeout) for ref in refs]
 
-    def _allocate(self, n: int, start: float) -> list[int] | None:
-        if n > self.allocator.num_blocks:
-            raise HTTPError(413, f"embedding needs {n} blocks, the encode pool has {self.allocator.num_blocks}")
-        while (blocks := self.allocator.allocate(n)) is None:
-            if time.monotonic() - start > self.config.bootstrap_timeout:
+    def _run_encoder(self, sender: EmbeddingSender,
+                     images: list[Image.Image]) -> tuple[Embedding, list[list[int]]] | None:
+        """One forward pass (on the compute thread); None when the worker is not awake."""
+        with self._lock:
+            sender.failure_exception()  # nobody waits for it any more: do no work for it
+            if self.gate.state != WorkerState.AWAKE:
+                self.gate.check_admission()
                 return None
-            time.sleep(0.01)
-        return blocks
+            self._computing += 1
+        try:
+            encoded = self.encoder.encode(images)
+        finally:
+            with self._idle:
+                self._computing -= 1
+                self._idle.notify_all()
+        fill_ids, mrope, delta = image_positions(encoded.grid_thw)
+        emb = Embedding(encoded.embeddings, fill_ids, mrope, np.zeros(AUX_INTS, np.int32), self.config.hidden_size,
+                        self.config.dtype)
+        emb.aux[0], emb.aux[1] = emb.num_tokens, delta
+        return emb, [list(g) for g in encoded.grid_thw]
+
+    # ---- health, sleep, wake -------------------------------------------------------------------------
 
     def health(self) -> dict:
         free, total = pool_blocks(self.allocator)
         return {"status": "sleeping" if self.gate.is_sleeping() else "ok", "role": "encode",
                 "state": self.gate.state.value, "bootstrap_port": self.bootstrap.port, "free_blocks": free,
-                "num_blocks": total, "active_rooms": self.sender.active_rooms()}
+                "num_blocks": total, "active_rooms": self.sender.active_rooms(), **self._queues()}
 
     def is_sleeping(self) -> bool:
         return self.gate.is_sleeping()
@@ -165,21 +254,28 @@ class EncodeWorker:
         with self.gate.falling_asleep() as proceed:
             if not proceed:
                 return {"changed": False, "is_sleeping": True}
-            with self._idle:  # new requests are refused (or wait) from here on
-                if not self._idle.wait_for(lambda: not self._in_flight, self.config.bootstrap_timeout):
-                    raise HTTPError(409, "encodes still running; try again")
+            with self._idle:  # no forward pass starts from here on
+                if not self._idle.wait_for(lambda: not self._computing, self.config.bootstrap_timeout):
+                    raise TransferFailure(FailureKind.CONFLICT, "encodes still running; try again")
             if not preserve_state:
-                self.sender.abort_all("the encode worker went to sleep (preserve_state=false)")
+                self.sender.abort_all(FailureKind.ASLEEP, "the encode worker went to sleep (preserve_state=false)")
             self.sender.pause()
-            kept_bytes = self.sender.detach_pool()
-            disk_error = ""
-            if self.checkpoint_dir and preserve_state:
-                written, disk_error = checkpoint_files.save_or_explain(self.checkpoint_dir, lambda: checkpoint.save(
-                    self.checkpoint_dir, self._geometry(), self.sender.held_rooms()))
-                if written is not None:
-                    kept_bytes, self._on_disk = written, True
+            try:
+                kept_bytes = self.sender.detach_pool()
+                disk_error = ""
+                if self.checkpoint_dir and preserve_state:
+                    written, disk_error = checkpoint_files.save_or_explain(self.checkpoint_dir, lambda: checkpoint.save(
+                        self.checkpoint_dir, self._geometry(), self.sender.held_rooms()))
+                    if written is not None:
+                        kept_bytes, self._on_disk = written, True
+                self.encoder.offload(level)
+            except BaseException:  # stay awake, with the pool and every room as they were
+                if self._on_disk:  # a later start must not boot on it
+                    checkpoint_files.remove(self.checkpoint_dir, checkpoint.ROLE)
+                    self._on_disk = False
+                self.sender.attach_pool(self.pool, self.allocator)
+                raise
             self.pool = self.allocator = None
-            self.encoder.offload(level)
         seconds = time.monotonic() - start
         self.metrics.slept(level, preserve_state, seconds, kept_bytes)
         log.info("encode worker asleep (level %d, preserve_state=%s): %d bytes kept", level, preserve_state, kept_bytes)
@@ -217,9 +313,10 @@ class EncodeWorker:
     def _load_checkpoint(self) -> list[SenderRoomCheckpoint]:
         """The verified rooms of the checkpoint this worker booted on, or :class:`CheckpointError`."""
         rooms = checkpoint.load(self.checkpoint_dir, self._geometry())
-        need = sum(self.config.blocks_for(saved.data.num_tokens) for saved in rooms)
-        if need > self.config.num_blocks:
-            raise CheckpointError(f"checkpoint in {self.checkpoint_dir} holds {need} blocks of rooms; "
+        too_big = [saved.room for saved in rooms if self.config.blocks_for(saved.data.num_tokens) > self.config.num_blocks]
+        if too_big:
+            need = max(self.config.blocks_for(saved.data.num_tokens) for saved in rooms)
+            raise CheckpointError(f"checkpoint in {self.checkpoint_dir} holds rooms of up to {need} blocks; "
                                   f"this worker's pool has {self.config.num_blocks}")
         return rooms
 
@@ -230,7 +327,16 @@ class EncodeWorker:
                 "dtype": self.config.dtype, "encoder": self.encoder.name,
                 "model_path": str(Path(model_path).resolve()) if model_path else None}
 
+    # ---- shutdown --------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """SIGTERM/SIGINT: refuse new requests and fail every room, so clients get a 503 at once."""
+        self.gate.stop()
+        self.sender.abort_all(FailureKind.SHUTTING_DOWN, "the encode worker is shutting down")
+
     def close(self) -> None:
+        self._loaders.shutdown(wait=False, cancel_futures=True)
+        self._compute.shutdown(wait=True, cancel_futures=True)
         self.sender.close()
         self.bootstrap.close()
         self.transport.close()

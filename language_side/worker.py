@@ -1,11 +1,21 @@
-"""The language worker: prealloc queue -> transfer queue -> consumer.
+"""The language worker: route lookup -> prealloc queue -> transfer queue -> consumer.
 
-* prealloc: requests wait in arrival order until the default allocation (block-aligned) is
-  free, then send their init;
-* transfer: each room is polled; after a partial round the rest is allocated and resumed;
-  on ``Success`` the embedding is assembled once and handed to the consumer;
-* one scheduler thread drives both queues, woken by status changes (no busy polling); the
-  consumer runs on its own thread so digesting one embedding never delays another's resume.
+A request moves through ``RequestPhase`` (transitions in ``TRANSITIONS``):
+
+* resolving: its encoder's route is looked up beside the scheduler (cached per peer, one
+  lookup per peer at a time), so a peer that does not answer holds up nobody else;
+* queued: requests wait in arrival order for the default allocation (block-aligned), then
+  send their init. At most ``max_queued_requests`` resolve or wait (more get 503 at once),
+  each at most ``queue_timeout`` (then 503);
+* transferring: each room is polled; after a partial round the rest is allocated and resumed
+  (resumes go before new admissions: a room being received never waits for a new one); on
+  ``Success`` the embedding is assembled once;
+* consuming: the consumer runs on its own thread, so digesting one embedding never delays
+  another's resume.
+
+One scheduler thread drives the queues, woken by status changes (no busy polling). A client
+that disconnects (or ``/abort_request``) cancels its request in any phase: the encoder is told
+and its blocks come back.
 
 Sleep (``preserve_state=true``) suspends every room with its encoder, keeps what landed in
 host memory (and on disk with a checkpoint folder), and releases the pool; wake re-creates it
@@ -15,6 +25,8 @@ under a new generation and continues every request from where it stood, in queue
 from __future__ import annotations
 
 import collections
+import enum
+import functools
 import logging
 import threading
 import time
@@ -23,9 +35,10 @@ from dataclasses import dataclass, field
 
 from connector import checkpoint as checkpoint_files
 from connector.allocator import BlockAllocator, pool_blocks
+from connector.bootstrap import RankRoute
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
-from connector.http_util import HTTPError
+from connector.failures import FailureKind, TransferFailure
 from connector.metrics import WorkerMetrics
 from connector.mooncake_transport import MooncakeTransport
 from connector.poll import KVPoll
@@ -38,21 +51,46 @@ from language_side.consumers import Consumer, DigestConsumer
 log = logging.getLogger(__name__)
 
 
+class RequestPhase(enum.Enum):
+    RESOLVING = "resolving"  # looking up the encoder's route
+    QUEUED = "queued"  # waiting, in order, for the default allocation
+    TRANSFERRING = "transferring"  # inited: rounds and resumes until the embedding is assembled
+    CONSUMING = "consuming"  # the consumer has the embedding
+    SAVED = "saved"  # kept over a sleep
+    DONE = "done"
+    FAILED = "failed"
+
+
+Q = RequestPhase
+TRANSITIONS: dict[RequestPhase, frozenset[RequestPhase]] = {
+    Q.RESOLVING: frozenset({Q.QUEUED, Q.SAVED, Q.FAILED}),
+    Q.QUEUED: frozenset({Q.TRANSFERRING, Q.SAVED, Q.FAILED}),
+    Q.TRANSFERRING: frozenset({Q.CONSUMING, Q.SAVED, Q.FAILED}),
+    Q.CONSUMING: frozenset({Q.DONE, Q.FAILED}),
+    Q.SAVED: frozenset({Q.RESOLVING, Q.TRANSFERRING, Q.FAILED}),
+    Q.DONE: frozenset(),
+    Q.FAILED: frozenset(),
+}
+
+
 @dataclass
 class _Request:
     rid: str
     bootstrap_addr: str
     room: int
+    phase: RequestPhase = RequestPhase.RESOLVING
     future: Future = field(default_factory=Future)
     queued_at: float = field(default_factory=time.monotonic)
+    route: RankRoute | None = None
     receiver: EmbeddingReceiver | None = None
     init_at: float = 0.0
     saved: SavedRequest | None = None  # while the worker sleeps
     restored_from_disk: bool = False  # no client yet: the next /generate with this rid attaches
 
-
-def failure_status(reason: str) -> int:
-    return 504 if "timeout" in reason else 502
+    def move(self, phase: RequestPhase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise AssertionError(f"request {self.rid}: no transition {self.phase.name} -> {phase.name}")
+        self.phase = phase
 
 
 class LanguageWorker:
@@ -65,16 +103,16 @@ class LanguageWorker:
         self._wake = threading.Event()
         self.receivers = EmbeddingReceiverManager(config, self.transport, self.pool, self.allocator,
                                                   on_change=self._wake.set)
-        self.metrics = WorkerMetrics("language", lambda: pool_blocks(self.allocator))
         self.gate = SleepGate("language", queue_while_sleeping, config.max_sleep)
         self._lock = threading.Lock()
         self._step = threading.Lock()  # held by the scheduler per step; sleep takes it to stop the queues
+        self._requests: dict[str, _Request] = {}  # every request not finished, by rid
         self._prealloc: collections.deque[_Request] = collections.deque()
         self._transfer: list[_Request] = []
-        self._rids: dict[str, _Request] = {}
         self._saved: list[_Request] | None = None  # the in-memory checkpoint while asleep
         self._disk_error = ""  # why the last sleep's checkpoint did not reach the disk
         self._consumers = ThreadPoolExecutor(1, thread_name_prefix="language-consumer")
+        self.metrics = WorkerMetrics("language", lambda: pool_blocks(self.allocator), self._queues)
         self._stop = threading.Event()
         if checkpoint_dir and checkpoint_files.exists(checkpoint_dir, checkpoint.ROLE):
             self._release_pool()  # a checkpoint waits on disk: boot asleep until /wake_up
@@ -85,30 +123,54 @@ class LanguageWorker:
     # ---- API ---------------------------------------------------------------------------------
 
     def submit(self, rid: str, bootstrap_addr: str, room: int) -> Future:
-        """Queue a request; the future resolves to the reply body or raises HTTPError."""
+        """Queue a request; the future resolves to the reply body or raises :class:`TransferFailure`."""
         with self._lock:
-            existing = self._rids.get(rid)
+            existing = self._requests.get(rid)
             if existing is not None and existing.restored_from_disk and existing.room == room:
                 existing.restored_from_disk = False  # a client for a request restored from disk
                 return existing.future
-            self.gate.check_admission()
             if existing is not None:
-                raise HTTPError(409, f"request {rid!r} is already in progress")
-            if any(r.room == room for r in self._rids.values()):
-                raise HTTPError(409, f"bootstrap_room {room} is already in use by another request")
-            req = _Request(rid, bootstrap_addr, room)
-            self._rids[rid] = req
-            self._prealloc.append(req)
-        self._wake.set()
+                raise TransferFailure(FailureKind.CONFLICT, f"request {rid!r} is already in progress")
+            if any(r.room == room for r in self._requests.values()):
+                raise TransferFailure(FailureKind.CONFLICT, f"bootstrap_room {room} is already in use by another request")
+            try:
+                self.gate.check_admission()
+                waiting = sum(1 for r in self._requests.values() if r.phase in (Q.RESOLVING, Q.QUEUED))
+                if waiting >= self.config.max_queued_requests:
+                    raise TransferFailure(FailureKind.OVERLOADED, f"{waiting} requests are queued "
+                                                                  f"(limit {self.config.max_queued_requests})")
+            except TransferFailure as exc:  # refused: the encoder drops the room too
+                self.receivers.abandon(bootstrap_addr, room)
+                self.metrics.failure(exc.kind)
+                raise
+            req = self._requests[rid] = _Request(rid, bootstrap_addr, room)
+        self._resolve(req)
         return req.future
 
-    def health(self) -> dict:
+    def cancel(self, rid: str, reason: str) -> bool:
+        """The client of ``rid`` went away or aborted it: end it in whatever phase it is."""
         with self._lock:
-            queued, transferring = len(self._prealloc), len(self._transfer)
+            req = self._requests.get(rid)
+            if req is None or req.phase in (Q.CONSUMING, Q.DONE, Q.FAILED):
+                return False
+            phase = req.phase
+            if req.receiver is not None:
+                req.receiver.abort(FailureKind.CANCELLED, reason)
+            if self._saved is not None and req in self._saved:
+                self._saved.remove(req)
+        self.metrics.cancelled(phase.value)
+        self._fail(req, FailureKind.CANCELLED, reason)
+        return True
+
+    def health(self) -> dict:
         free, total = pool_blocks(self.allocator)
         return {"status": "sleeping" if self.gate.is_sleeping() else "ok", "role": "language",
-                "state": self.gate.state.value, "free_blocks": free, "num_blocks": total, "queued": queued,
-                "transferring": transferring}
+                "state": self.gate.state.value, "free_blocks": free, "num_blocks": total, **self._queues()}
+
+    def _queues(self) -> dict[str, int]:
+        with self._lock:
+            phases = collections.Counter(r.phase for r in self._requests.values())
+        return {"resolving": phases[Q.RESOLVING], "queued": phases[Q.QUEUED], "transferring": phases[Q.TRANSFERRING]}
 
     def is_sleeping(self) -> bool:
         return self.gate.is_sleeping()
@@ -123,9 +185,22 @@ class LanguageWorker:
                 return {"changed": False, "is_sleeping": True}
             self._disk_error = ""
             with self._step:
-                kept_bytes = self._keep_requests() if preserve_state else self._abort_requests()
+                if preserve_state:
+                    kept_bytes = self._keep_requests()
+                else:
+                    self._abort_requests(FailureKind.ASLEEP, "the language worker went to sleep (preserve_state=false)")
+                    kept_bytes = 0
                 self._consumers.submit(lambda: None).result()  # consumers hold views into the pool
-                self._release_pool()
+                self._wait_for_blocks()  # of aborted rooms: they come back with the encoders' acks
+                try:
+                    self._release_pool()
+                except RuntimeError as exc:  # a block still out: stay awake; kept requests cannot go on
+                    for req in self._saved or []:
+                        self._fail(req, FailureKind.INTERNAL, f"the language worker could not fall asleep: {exc}")
+                    self._saved = None
+                    if self.checkpoint_dir:
+                        checkpoint_files.remove(self.checkpoint_dir, checkpoint.ROLE)
+                    raise
         self.metrics.slept(level, preserve_state, time.monotonic() - start, kept_bytes)
         kept = len(self._saved or [])
         log.info("language worker asleep (level %d, preserve_state=%s): %d requests kept, %d bytes",
@@ -143,17 +218,28 @@ class LanguageWorker:
             receiver = req.receiver
             status = receiver.poll()
             if status == KVPoll.Success:  # landed before the suspend took effect: finish it now
-                self._finish(req, receiver.assemble(), time.monotonic() - req.init_at)
+                self._finish(req, receiver.assemble())
             elif status == KVPoll.Failed:
-                self._fail(req, failure_status(receiver.state.reason), receiver.state.reason)
+                self._fail(req, receiver.state.kind, receiver.state.reason)
             else:
-                req.saved = SavedRequest(req.rid, req.bootstrap_addr, req.room, receiver.checkpoint())
-                kept.append(req)
+                with self._lock:  # a cancel cannot come between the checkpoint and the move
+                    if req.phase != Q.TRANSFERRING:  # cancelled meanwhile
+                        continue
+                    try:
+                        req.saved = SavedRequest(req.rid, req.bootstrap_addr, req.room, receiver.checkpoint())
+                        req.move(Q.SAVED)
+                        kept.append(req)
+                        continue
+                    except RuntimeError:  # it failed after the poll above
+                        pass
+                self._fail(req, receiver.state.kind or FailureKind.PEER_FAILED, receiver.state.reason)
         with self._lock:
-            for req in self._prealloc:
+            waiting = [r for r in self._requests.values() if r.phase == Q.RESOLVING] + list(self._prealloc)
+            for req in waiting:
                 req.saved = SavedRequest(req.rid, req.bootstrap_addr, req.room, None)
+                req.move(Q.SAVED)
             # queue order: rooms that were transferring, then the queue as it stood
-            self._saved = kept + list(self._prealloc)
+            self._saved = kept + waiting
             self._prealloc.clear()
             self._transfer.clear()
         kept_bytes = sum(r.saved.transfer.landed * (self.pool.row_bytes + 16) for r in kept if r.saved.transfer)
@@ -163,19 +249,20 @@ class LanguageWorker:
             kept_bytes = kept_bytes if written is None else written
         return kept_bytes
 
-    def _abort_requests(self) -> int:
-        reason = "the language worker went to sleep (preserve_state=false)"
+    def _abort_requests(self, kind: FailureKind, reason: str) -> None:
+        """Fail every request; aborted rooms' blocks come back with the encoders' acks."""
         with self._lock:
-            active, queued = list(self._transfer), list(self._prealloc)
-            self._prealloc.clear()
-        for req in active:
-            req.receiver.abort(reason)
-        for req in active + queued:
-            self._fail(req, 503, reason)
+            requests = [r for r in self._requests.values() if r.phase not in (Q.CONSUMING, Q.DONE, Q.FAILED)]
+        for req in requests:
+            if req.receiver is not None:
+                req.receiver.abort(kind, reason)
+            self._fail(req, kind, reason)
+
+    def _wait_for_blocks(self) -> None:
+        """Wait (bounded: the ack timeout frees them) for the blocks of aborted rooms."""
         deadline = time.monotonic() + self.config.abort_ack_timeout + 2
-        while not self.allocator.all_free() and time.monotonic() < deadline:  # blocks return with the acks
+        while self.allocator is not None and not self.allocator.all_free() and time.monotonic() < deadline:
             time.sleep(0.01)
-        return 0
 
     def _release_pool(self) -> None:
         self.receivers.detach_pool()
@@ -192,7 +279,8 @@ class LanguageWorker:
                 and checkpoint_files.exists(self.checkpoint_dir, checkpoint.ROLE)
             if from_disk:
                 loaded = checkpoint.load(self.checkpoint_dir, self._geometry())  # CheckpointError: HTTP 422
-                saved = [_Request(s.rid, s.bootstrap_addr, s.room, saved=s, restored_from_disk=True) for s in loaded]
+                saved = [_Request(s.rid, s.bootstrap_addr, s.room, Q.SAVED, saved=s, restored_from_disk=True)
+                         for s in loaded]
             self.pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
                                    self.config.dtype, prefault=False)
             self.allocator = BlockAllocator(self.config.num_blocks)
@@ -210,24 +298,40 @@ class LanguageWorker:
                 "seconds": round(time.monotonic() - start, 4)}
 
     def _restore(self, saved: list[_Request]) -> None:
+        """Kept requests go first, in their order: transfers continue, queued ones queue again
+        ahead of what arrived while asleep."""
+        resolving = []
         with self._lock:
-            queued_while_asleep = list(self._prealloc)
+            arrived = list(self._prealloc)
             self._prealloc.clear()
             for req in saved:
-                self._rids[req.rid] = req
+                self._requests[req.rid] = req
                 if req.saved.transfer is None:
-                    req.queued_at = time.monotonic()
-                    self._prealloc.append(req)
+                    req.move(Q.RESOLVING)
+                    resolving.append(req)
                 else:
                     req.receiver = self.receivers.restore(req.saved.transfer)
                     req.init_at = time.monotonic()
+                    req.move(Q.TRANSFERRING)
                     self._transfer.append(req)
                 req.saved = None
-            self._prealloc.extend(queued_while_asleep)
+        for req in resolving:  # routes are cached: these queue again at once, in order
+            self._resolve(req)
+        with self._lock:
+            for req in arrived:  # their wait for blocks starts now
+                req.queued_at = time.monotonic()
+            self._prealloc.extend(arrived)
 
     def _geometry(self) -> dict:
         return {"block_size": self.config.block_size, "hidden_size": self.config.hidden_size,
                 "dtype": self.config.dtype}
+
+    # ---- shutdown --------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """SIGTERM/SIGINT: refuse new requests, fail every request (503), tell the encoders."""
+        self.gate.stop()
+        self._abort_requests(FailureKind.SHUTTING_DOWN, "the language worker is shutting down")
 
     def close(self) -> None:
         self._stop.set()
@@ -236,6 +340,24 @@ class LanguageWorker:
         self._consumers.shutdown(wait=True)
         self.receivers.close()
         self.transport.close()
+
+    # ---- route lookup (beside the scheduler) -------------------------------------------------------
+
+    def _resolve(self, req: _Request) -> None:
+        self.receivers.resolve(req.bootstrap_addr, req.room).add_done_callback(functools.partial(self._resolved, req))
+
+    def _resolved(self, req: _Request, lookup: Future) -> None:
+        error = lookup.exception()
+        with self._lock:
+            if req.phase != Q.RESOLVING:  # cancelled, or put aside by a sleep, meanwhile
+                return
+            if error is None:
+                req.route, req.queued_at = lookup.result(), time.monotonic()
+                req.move(Q.QUEUED)
+                self._prealloc.append(req)
+        if error is not None:
+            self._fail(req, FailureKind.PEER_UNREACHABLE, str(error))
+        self._wake.set()
 
     # ---- scheduler -----------------------------------------------------------------------------
 
@@ -246,7 +368,7 @@ class LanguageWorker:
             with self._step:
                 if not self.gate.is_sleeping():
                     try:
-                        progressed = self._admit() + self._advance()
+                        progressed = self._advance() + self._admit()
                     except Exception:  # never let one request stop the scheduler
                         log.exception("scheduler step failed")
             if not progressed:
@@ -257,54 +379,69 @@ class LanguageWorker:
         admitted = 0
         while True:
             with self._lock:
-                if not self._prealloc:
-                    return admitted
-                req = self._prealloc[0]
-            if time.monotonic() - req.queued_at > self.config.waiting_timeout:
-                self._pop_prealloc(req)
-                self._fail(req, 503, f"no free blocks for the default allocation within {self.config.waiting_timeout:g}s")
+                req = self._prealloc[0] if self._prealloc else None
+                expired = req is not None and time.monotonic() - req.queued_at > self.config.queue_timeout
+            if req is None:
+                return admitted
+            if expired:
+                self._fail(req, FailureKind.OVERLOADED,
+                           f"no free blocks for the default allocation within {self.config.queue_timeout:g}s")
+                continue
+            if dead := self.receivers.dead_peer(req.bootstrap_addr):  # queued before its encoder died
+                self._fail(req, FailureKind.PEER_DEAD, f"encode peer {req.bootstrap_addr} is dead: {dead}")
                 continue
             blocks = self.allocator.allocate(min(self.config.default_allocate_blocks, self.allocator.num_blocks))
             if blocks is None:
                 return admitted
-            self._pop_prealloc(req)
-            try:
-                req.receiver = self.receivers.create_receiver(req.bootstrap_addr, req.room)
-            except (ConnectionError, ValueError) as exc:
-                self.allocator.free(blocks)
-                self._fail(req, 502 if isinstance(exc, ConnectionError) else 409, str(exc))
-                continue
-            req.init_at = time.monotonic()
-            req.receiver.init(blocks)
             with self._lock:
+                if not self._prealloc or self._prealloc[0] is not req:  # cancelled while the blocks were found
+                    self.allocator.free(blocks)
+                    continue
+                self._prealloc.popleft()
+                req.move(Q.TRANSFERRING)  # a cancel from here on fails it; the receiver is aborted below
                 self._transfer.append(req)
+            try:
+                receiver = self.receivers.create_receiver(req.bootstrap_addr, req.room, req.route)
+            except ValueError as exc:  # another request's room: not this request's to abort
+                self.allocator.free(blocks)
+                self._fail(req, FailureKind.CONFLICT, str(exc), tell_encoder=False)
+                continue
+            with self._lock:
+                req.receiver, req.init_at = receiver, time.monotonic()
+                cancelled = req.phase == Q.FAILED
+            receiver.init(blocks)
+            if cancelled:
+                receiver.abort(FailureKind.CANCELLED, "cancelled while it was admitted")
             admitted += 1
 
-    def _pop_prealloc(self, req: _Request) -> None:
-        with self._lock:
-            self._prealloc.remove(req)
-
     def _advance(self) -> int:
+        """Resume, finish or fail each transferring request."""
         progressed = 0
         with self._lock:
-            active = list(self._transfer)
+            active = [r for r in self._transfer if r.receiver is not None]
         for req in active:
             receiver = req.receiver
-            assert receiver is not None
             status = receiver.poll()
+            if req.phase != Q.TRANSFERRING:  # cancelled meanwhile
+                continue
             if status in (KVPoll.Transferring, KVPoll.WaitingForInput, KVPoll.Bootstrapping):
                 progressed += receiver.try_resume()  # after a round, early (total announced), or restored
             elif status == KVPoll.Success:
-                self._finish(req, receiver.assemble(), time.monotonic() - req.init_at)
+                self._finish(req, receiver.assemble())
                 progressed += 1
             elif status == KVPoll.Failed:
-                reason = receiver.state.reason
-                self._fail(req, failure_status(reason), reason)
+                self._fail(req, receiver.state.kind, receiver.state.reason)
                 progressed += 1
         return progressed
 
-    def _finish(self, req: _Request, emb: Embedding, seconds: float) -> None:
-        self._drop(req)
+    def _finish(self, req: _Request, emb: Embedding) -> None:
+        seconds = time.monotonic() - req.init_at
+        with self._lock:
+            if req.phase != Q.TRANSFERRING:  # cancelled after it was assembled
+                emb.release()
+                return
+            req.move(Q.CONSUMING)
+            self._transfer.remove(req)
         receiver = req.receiver
         assert receiver is not None
 
@@ -313,34 +450,35 @@ class LanguageWorker:
                 extra = self.consumer.consume(req.rid, emb)
             except Exception as exc:
                 log.exception("consumer failed for %s", req.rid)
-                self.metrics.failure("consumer")
-                req.future.set_exception(HTTPError(500, f"consumer failed: {type(exc).__name__}: {exc}"))
+                self._fail(req, FailureKind.INTERNAL, f"consumer failed: {type(exc).__name__}: {exc}")
                 return
             finally:
                 emb.release()
             self.metrics.success(emb.num_tokens, emb.embeddings.nbytes, receiver.resume_rounds, seconds)
+            with self._lock:
+                req.move(Q.DONE)
+                self._requests.pop(req.rid, None)
             req.future.set_result({"rid": req.rid, "num_tokens": emb.num_tokens, "resume_rounds": receiver.resume_rounds,
                                    "transfer_ms": round(seconds * 1e3, 3), **extra})
 
         self._consumers.submit(consume)
 
-    def _fail(self, req: _Request, status: int, reason: str) -> None:
-        self._drop(req)
-        self.metrics.failure(_reason_label(reason))
-        log.warning("rid=%s room=%d failed: %s", req.rid, req.room, reason)
-        req.future.set_exception(HTTPError(status, f"request {req.rid}: {reason}"))
-
-    def _drop(self, req: _Request) -> None:
+    def _fail(self, req: _Request, kind: FailureKind, reason: str, tell_encoder: bool = True) -> None:
+        """End a request with ``kind``. One that never sent its init, or is kept over a sleep,
+        tells its encoder, so the room's encode request ends too (before any work, if it has not
+        started); a room in transfer was aborted by the caller through its receiver."""
         with self._lock:
+            if req.phase in (Q.DONE, Q.FAILED):
+                return
+            if tell_encoder and (req.receiver is None or req.phase == Q.SAVED):  # no receiver to abort
+                self.receivers.abandon(req.bootstrap_addr, req.room, req.route or (
+                    req.saved.transfer.route if req.saved and req.saved.transfer else None))
+            req.move(Q.FAILED)
             if req in self._transfer:
                 self._transfer.remove(req)
-            self._rids.pop(req.rid, None)
-
-
-def _reason_label(reason: str) -> str:
-    """A low-cardinality label for the failures metric."""
-    for label in ("timeout", "dead", "mismatch", "aborted", "unreachable", "reported failure", "inconsistent",
-                  "no free blocks"):
-        if label in reason:
-            return label.replace(" ", "_")
-    return "other"
+            if req in self._prealloc:
+                self._prealloc.remove(req)
+            self._requests.pop(req.rid, None)
+        self.metrics.failure(kind)
+        log.warning("rid=%s room=%d failed: %s", req.rid, req.room, reason)
+        req.future.set_exception(TransferFailure(kind, f"request {req.rid}: {kind.value}: {reason}"))

@@ -5,7 +5,8 @@ Mooncake transfer engine, a source pool, the sender manager and the bootstrap se
 stages deterministic embeddings on request. It prints one line ``READY {json}`` with its
 ports once it listens. Control requests (ZMQ REQ/REP, JSON, no pickle):
 
-* ``{"op": "stage", "room", "tokens", "seed"}`` -> ``{"digests"}``: fill blocks and ``send()``
+* ``{"op": "stage", "room", "tokens", "seed"}`` -> ``{"digests"}``: ``send()`` an embedding and
+  wait until it is in the pool's blocks (when the pool has room for it)
 * ``{"op": "status", "room"}`` -> ``{"status", "reason", "first_write_at"}``
 * ``{"op": "stats"}`` -> ``{"free_blocks", "num_blocks", "active_rooms", "counters",
   "socket_send_started_at"}`` (times are ``time.monotonic()``, one clock for all processes)
@@ -125,16 +126,10 @@ def main() -> None:
         try:
             if op == "stage":
                 emb, digests = staged_embedding(int(req["tokens"]), config.hidden_size, config.dtype, int(req["seed"]))
-                deadline = time.monotonic() + 30
-                while (blocks := allocator.allocate(pool.blocks_for(emb.num_tokens))) is None:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("source pool full for 30 s")
-                    time.sleep(0.01)
-                pool.write(blocks, emb)
                 sender = manager.create_sender(int(req["room"]))
-                sender.send(blocks, emb.num_tokens)
+                sender.send(emb)
                 senders[sender.room] = sender
-                reply = {"digests": digests}
+                reply = {"digests": digests, "in_pool": sender.wait_in_pool(5.0)}
             elif op == "status":
                 sender = senders[int(req["room"])]
                 status = sender.poll()

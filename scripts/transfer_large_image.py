@@ -41,21 +41,30 @@ def make_image(width: int, height: int, seed: int) -> Image.Image:
 
 
 def run_request(encode_url: str, language_url: str, bootstrap_port: int, rid: str, room: int,
-                images: list[str], timeout: float) -> dict:
+                images: list[str], timeout: float, encode_first: bool = False, gap: float = 0.0) -> dict:
+    """Send one request to both workers, as a router would: ``/generate`` then ``/encode`` (or the
+    other way round), ``gap`` seconds apart. Both answer once the language side has the embedding."""
+    generate = {"rid": rid, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": room}
+    encode = {"rid": rid, "bootstrap_room": room, "images": images}
+    calls = [(f"{language_url}/generate", generate), (f"{encode_url}/encode", encode)]
+    if encode_first:
+        calls.reverse()
+    t0 = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
-        lang = pool.submit(requests.post, f"{language_url}/generate", timeout=timeout,
-                           json={"rid": rid, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
-                                 "bootstrap_room": room})
-        t0 = time.monotonic()
-        enc = requests.post(f"{encode_url}/encode", json={"rid": rid, "bootstrap_room": room, "images": images},
-                            timeout=timeout)
-        encode_ms = (time.monotonic() - t0) * 1e3
-        lang_resp = lang.result()
-    total_ms = (time.monotonic() - t0) * 1e3
+        first = pool.submit(_post, calls[0][0], calls[0][1], timeout)
+        time.sleep(gap)
+        second = pool.submit(_post, calls[1][0], calls[1][1], timeout)
+        (enc, enc_at), (lang_resp, lang_at) = ((first.result(), second.result()) if encode_first
+                                              else (second.result(), first.result()))
     result = {"rid": rid, "room": room, "encode_status": enc.status_code, "language_status": lang_resp.status_code,
-              "encode_ms": round(encode_ms, 1), "total_ms": round(total_ms, 1)}
+              "total_ms": round((max(enc_at, lang_at) - t0) * 1e3, 1), "encode_done_at": enc_at,
+              "language_done_at": lang_at}
+    if lang_resp.status_code == 200:
+        result["language_sha256"] = lang_resp.json()["sha256"]
     if enc.status_code != 200 or lang_resp.status_code != 200:
-        result["error"] = (enc.json() if enc.status_code != 200 else lang_resp.json()).get("error", "?")
+        result["encode_error"] = _error(enc)
+        result["language_error"] = _error(lang_resp)
+        result["error"] = result["encode_error"] or result["language_error"]
         result["match"] = False
         return result
     e, lg = enc.json(), lang_resp.json()
@@ -63,6 +72,36 @@ def run_request(encode_url: str, language_url: str, bootstrap_port: int, rid: st
                   resume_rounds=lg["resume_rounds"], transfer_ms=lg["transfer_ms"], sha256=e["sha256"],
                   match=e["sha256"] == lg["sha256"] and e["num_tokens"] == lg["num_tokens"])
     return result
+
+
+class _NoAnswer:
+    """What a worker that dropped the connection (killed, say) answered: status 0."""
+
+    status_code = 0
+
+    def __init__(self, exc: Exception) -> None:
+        self.text = f"{type(exc).__name__}: {exc}"
+
+    def json(self) -> dict:
+        return {"error": self.text}
+
+
+def _post(url: str, body: dict, timeout: float) -> tuple[requests.Response | _NoAnswer, float]:
+    """The answer and ``time.monotonic()`` when it came."""
+    try:
+        resp = requests.post(url, json=body, timeout=timeout)
+    except requests.RequestException as exc:
+        resp = _NoAnswer(exc)
+    return resp, time.monotonic()
+
+
+def _error(resp: requests.Response | _NoAnswer) -> str:
+    if resp.status_code == 200:
+        return ""
+    try:
+        return str(resp.json().get("error", "?"))
+    except ValueError:
+        return resp.text[:300]
 
 
 def main() -> int:
@@ -105,10 +144,10 @@ def main() -> int:
             encode_url, language_url, bootstrap_port = enc.url, lang.url, enc.bootstrap_port
         jobs = requests_set * args.repeat
         results = []
-        # encode ms: the encode request; after-encode ms: until the language side had the embedding
-        # assembled and digested (transfer rounds, resumes, assembly); total ms: both together.
-        print(f"{'request':<14} {'images':>6} {'tokens':>7} {'MiB':>7} {'resumes':>7} {'encode ms':>10} "
-              f"{'after-encode ms':>15} {'total ms':>9}  digest", flush=True)
+        # transfer ms: from the language side's init to the assembled embedding (it includes the
+        # wait for the encoder); total ms: from sending the request until both workers answered.
+        print(f"{'request':<14} {'images':>6} {'tokens':>7} {'MiB':>7} {'resumes':>7} {'transfer ms':>11} "
+              f"{'total ms':>9}  digest", flush=True)
         # Progress on a terminal is one line rewritten in place; in a log it would garble the table.
         progress = sys.stderr.isatty()
         for i, (name, paths) in enumerate(jobs):
@@ -125,8 +164,8 @@ def main() -> int:
                       flush=True)
             else:
                 print(f"{name:<14} {len(paths):>6} {res['tokens']:>7} {res['bytes'] / 2**20:>7.1f} "
-                      f"{res['resume_rounds']:>7} {res['encode_ms']:>10.0f} {res['total_ms'] - res['encode_ms']:>15.0f} "
-                      f"{res['total_ms']:>9.0f}  {'match' if res['match'] else 'MISMATCH'}", flush=True)
+                      f"{res['resume_rounds']:>7} {res['transfer_ms']:>11.0f} {res['total_ms']:>9.0f}  "
+                      f"{'match' if res['match'] else 'MISMATCH'}", flush=True)
         print(f"[{len(jobs)}/{len(jobs)}] done", file=sys.stderr)
     finally:
         for worker in reversed(started):

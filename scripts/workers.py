@@ -23,10 +23,12 @@ class WorkerProcess:
     """One worker process; ``url`` is its HTTP address once ``READY`` was printed."""
 
     def __init__(self, mode: str, *extra: str, command: tuple[str, ...] = (sys.executable, "-m", "sglang_ext.launch_server"),
-                 timeout: float = 120.0, env: dict[str, str] | None = None, bootstrap_port: int | None = None) -> None:
-        """``command`` is what starts a worker: ours by default, or SGLang's launchers. An encode
-        worker gets a free bootstrap port unless ``bootstrap_port`` names one (a restart)."""
-        self.mode, self.port = mode, free_port()
+                 timeout: float = 120.0, env: dict[str, str] | None = None, bootstrap_port: int | None = None,
+                 port: int | None = None) -> None:
+        """``command`` is what starts a worker: ours by default, or SGLang's launchers. It gets free
+        ports (HTTP, and bootstrap for an encode worker) unless ``port`` and ``bootstrap_port``
+        name them (a restart)."""
+        self.mode, self.port = mode, port or free_port()
         self.bootstrap_port = (bootstrap_port or free_port()) if mode == "encode" else None
         args = [*command, "--disaggregation-mode", mode, "--host", "127.0.0.1",
                 "--port", str(self.port), *extra]

@@ -34,6 +34,10 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                             help="RDMA device for Mooncake (with --mooncake-protocol rdma)")
         parser.add_argument("--tp-size", type=int, default=1, help="tensor parallel size (only 1 is supported)")
         parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+        parser.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests, metavar="N",
+                            help=f"requests waiting for blocks (language side) or for memory and the encoder "
+                                 f"(encode side); more get 503 with Retry-After at once, env "
+                                 f"{ENV_NAMES['max_queued_requests']} (default %(default)s)")
     pool_bytes = BufferPool.bytes_for(d.num_blocks, d.block_size, d.hidden_size, d.dtype)
     g = parser.add_argument_group("embedding transfer")
     g.add_argument("--encoder", choices=["qwen", "fake"], default="qwen",
@@ -55,7 +59,15 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
         g.add_argument(flag, type=float, default=getattr(d, name), metavar="SECONDS",
                        help=f"env {ENV_NAMES[name]} (default %(default)s)")
     g.add_argument("--heartbeat-max-failure", type=int, default=d.heartbeat_max_failures,
-                   help=f"env {ENV_NAMES['heartbeat_max_failures']} (default %(default)s)")
+                   help=f"heartbeats (language side) or pings (encode side) missed in a row before a peer is "
+                        f"dead, env {ENV_NAMES['heartbeat_max_failures']} (default %(default)s)")
+    g.add_argument("--staging-bytes", type=int, default=d.staging_bytes, metavar="BYTES",
+                   help=f"encode side: host memory for embeddings no language worker has asked for yet; more "
+                        f"wait (up to --queue-timeout) in arrival order, env {ENV_NAMES['staging_bytes']} "
+                        f"(default %(default)s = {d.staging_bytes / 2**30:g} GiB)")
+    g.add_argument("--queue-timeout", type=float, default=d.queue_timeout, metavar="SECONDS",
+                   help=f"longest wait in those queues, then 503 with Retry-After, env "
+                        f"{ENV_NAMES['queue_timeout']} (default %(default)s)")
     g.add_argument("--max-sleep", type=float, default=d.max_sleep, metavar="SECONDS",
                    help=f"a sleeping peer's rooms are kept this long, env {ENV_NAMES['max_sleep']} (default %(default)s)")
     g.add_argument("--checkpoint-dir", default=None,
@@ -77,4 +89,5 @@ def connector_config(args: argparse.Namespace) -> ConnectorConfig:
         bootstrap_timeout=args.bootstrap_timeout, waiting_timeout=args.waiting_timeout,
         resume_timeout=args.resume_timeout, heartbeat_interval=args.heartbeat_interval,
         heartbeat_max_failures=args.heartbeat_max_failure, abort_ack_timeout=args.abort_ack_timeout,
-        max_sleep=args.max_sleep)
+        max_sleep=args.max_sleep, staging_bytes=args.staging_bytes, max_queued_requests=args.max_queued_requests,
+        queue_timeout=args.queue_timeout)

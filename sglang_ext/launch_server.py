@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> None:
               f"mooncake={worker.transport.session_id} pool={config.num_blocks}x{config.block_size} tokens "
               f"({config.pool_bytes / 2**20:.0f} MiB){state}", flush=True)
 
-    serve(build_app(worker), config.host, args.port, banner, worker.close)
+    serve(build_app(worker), config.host, args.port, banner, worker.stop, worker.close)
     print(f"{args.disaggregation_mode} worker stopped", flush=True)
 
 

@@ -83,6 +83,7 @@ def _around_prepare_server_args(original, argv, *args, **kwargs):
 
 def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
     """Our worker's flags: SGLang's parsed values for shared things, ours parsed from ``argv``."""
+    from connector.config import ConnectorConfig
     from sglang_ext.args import add_worker_args
 
     parser = argparse.ArgumentParser(add_help=False)
@@ -100,4 +101,5 @@ def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
     ours.disaggregation_ib_device = server_args.disaggregation_ib_device or ""
     ours.tp_size = server_args.tp_size
     ours.log_level = server_args.log_level
+    ours.max_queued_requests = server_args.max_queued_requests or ConnectorConfig.from_env().max_queued_requests
     return ours
