@@ -33,3 +33,15 @@ def test_bench_transfer_runs_and_prints_its_ratio() -> None:
     bounds = re.fullmatch(r"ratio_64MiB_95ci=(\d+\.\d+)\.\.(\d+\.\d+)", interval)
     assert ratio and bounds, out.stdout[-2000:]
     assert float(bounds[1]) <= float(ratio[1]) <= float(bounds[2])
+
+
+def test_bench_load_prints_a_row_per_level_and_the_completed_line(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_load.py"), "--concurrency", "2,8", "--min-requests", "8",
+                          "--sizes", "448x448,1024x768", "--small-pool", "16", "--json", str(tmp_path / "l.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "load_8_completed=8/8"
+    rows = json.loads((tmp_path / "l.json").read_text())["rows"]
+    assert [(r["language_pool"], r["concurrency"], r["completed"]) for r in rows] == [
+        ("default", 2, 8), ("default", 8, 8), ("16 blocks", 8, 8)]
+    assert all(r["images_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] for r in rows)

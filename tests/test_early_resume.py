@@ -8,37 +8,34 @@ import threading
 import time
 
 from connector_peer import synthetic_embedding
-from test_faults import raw_language, raw_pool  # noqa: F401  (fixtures)
-from test_sleep_connector import recv_any
 from test_transfer import transfer
 
 from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
-from connector.messages import InitMsg, RegisterMsg, ResumeMsg, StatusMsg
+from connector.messages import InitMsg, ResumeMsg, StatusMsg
 from connector.poll import KVPoll
 from connector.sender import EmbeddingSenderManager
 from connector.transport import Transport
 
 
-def test_only_peers_with_our_register_frames_get_the_total_early(make_peer, raw_language, raw_pool) -> None:  # noqa: F811
-    pull, push, port = raw_language
-    transport, pool = raw_pool
+def test_only_peers_with_our_register_frames_get_the_total_early(make_peer, raw_language, raw_pool) -> None:
+    raw, (transport, pool) = raw_language, raw_pool
+    raw.session = transport.session_id
     peer = make_peer(resume_timeout=1)  # the rooms left waiting for a resume end by themselves
-    push.connect(f"tcp://127.0.0.1:{peer.info['rank_port']}")
-    fork = RegisterMsg("127.0.0.1", port, transport.session_id, pool.base_ptrs)
-    ours = RegisterMsg("127.0.0.1", port, transport.session_id, pool.base_ptrs, 1, 300, pool.item_lens)
-    for room, register in ((1, fork), (2, ours)):
+    raw.connect(peer.info["rank_port"])
+    for room, fork in ((1, True), (2, False)):
         peer.call("stage", room=room, tokens=20_000, seed=room)
-        push.send_multipart(register.encode())
-        push.send_multipart(InitMsg(room, "127.0.0.1", port, transport.session_id, tuple(range(64)), 1,
-                                    8192).encode())
-        first = recv_any(pull)
-        if register is fork:
+        raw.register(pool, fork=fork)
+        raw.send(InitMsg(room, "127.0.0.1", raw.port, transport.session_id, tuple(range(64)), 1, 8192))
+        first = raw.expect(room=room)  # room 1, left waiting for its resume, times out meanwhile
+        if fork:
             assert first == StatusMsg(room, KVPoll.Transferring, 8192), first
+            assert raw.pings == 0  # a fork peer would not parse one
         else:
             assert first == StatusMsg(room, KVPoll.WaitingForInput, 0, "", 20_000), first
-            assert recv_any(pull) == StatusMsg(room, KVPoll.Transferring, 8192)
+            assert raw.expect(room=room) == StatusMsg(room, KVPoll.Transferring, 8192)
+            assert raw.pings == 1  # the first write to a new session waits for one ping round trip
 
 
 def test_our_language_side_resumes_while_the_first_round_is_written(make_peer, make_language) -> None:
@@ -79,32 +76,30 @@ class GatedTransport(Transport):
         pass
 
 
-def test_a_round_written_beside_the_first_reports_after_it(raw_language) -> None:  # noqa: F811
-    pull, push, port = raw_language
+def test_a_round_written_beside_the_first_reports_after_it(raw_language) -> None:
+    raw = raw_language
     config = ConnectorConfig(num_blocks=200, hidden_size=64, transfer_workers=2)
     src, dst = (BufferPool(200, 128, 64) for _ in range(2))
     transport, allocator = GatedTransport(), BlockAllocator(200)
     sender = EmbeddingSenderManager(config, transport, src, allocator)
     try:
-        push.connect(f"tcp://127.0.0.1:{sender.rank_port}")
-        push.send_multipart(RegisterMsg("127.0.0.1", port, "127.0.0.1:2", dst.base_ptrs, 1, 200, dst.item_lens).encode())
+        raw.connect(sender.rank_port)
+        raw.register(dst)
         emb = synthetic_embedding(20_000, 64, "bfloat16", seed=3)
-        blocks = allocator.allocate(src.blocks_for(20_000))
-        src.write(blocks, emb)
-        sender.create_sender(7).send(blocks, 20_000)
-        push.send_multipart(InitMsg(7, "127.0.0.1", port, "127.0.0.1:2", tuple(range(64)), 1, 8192).encode())
-        assert recv_any(pull) == StatusMsg(7, KVPoll.WaitingForInput, 0, "", 20_000)
+        sender.create_sender(7).send(emb)
+        raw.send(InitMsg(7, "127.0.0.1", raw.port, raw.session, tuple(range(64)), 1, 8192))
+        assert raw.expect() == StatusMsg(7, KVPoll.WaitingForInput, 0, "", 20_000)
         rest = tuple(range(64, 64 + dst.blocks_for(20_000 - 8192)))
-        push.send_multipart(ResumeMsg(7, "127.0.0.1", port, "127.0.0.1:2", rest, 1, 8192, len(rest) * 128).encode())
+        raw.send(ResumeMsg(7, "127.0.0.1", raw.port, raw.session, rest, 1, 8192, len(rest) * 128))
         deadline = time.monotonic() + 10
         while transport.finished != [2]:  # the second round landed while the first is held
             assert time.monotonic() < deadline, transport.finished
             time.sleep(0.01)
-        assert not pull.poll(200), "a status went out before the first round landed"
+        assert raw.recv(0.2) is None, "a status went out before the first round landed"
         assert sender.stats["pipelined_rounds"] == 1
         transport.release.set()
-        assert recv_any(pull) == StatusMsg(7, KVPoll.Transferring, 8192)
-        assert recv_any(pull) == StatusMsg(7, KVPoll.Success, 20_000)
+        assert raw.expect() == StatusMsg(7, KVPoll.Transferring, 8192)
+        assert raw.expect() == StatusMsg(7, KVPoll.Success, 20_000)
         out = Embedding.empty(20_000, 64, "bfloat16")
         dst.read_into(list(range(64)) + list(rest), out, 0, 20_000)
         out.aux[:] = dst.aux[0]  # aux travels in the first block of round one

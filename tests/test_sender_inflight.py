@@ -9,15 +9,16 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from conftest import RawLanguage
 from connector_peer import synthetic_embedding
 from test_early_resume import GatedTransport
-from test_faults import raw_language, wait_for  # noqa: F401  (fixture)
-from test_sleep_connector import recv_any
+from test_faults import wait_for
 
 from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
-from connector.messages import InitMsg, RegisterMsg, ResumeMsg, StatusMsg
+from connector.failures import FailureKind
+from connector.messages import InitMsg, ResumeMsg, StatusMsg
 from connector.poll import KVPoll
 from connector.sender import EmbeddingSenderManager
 
@@ -35,9 +36,9 @@ class FailingFirstWrite(GatedTransport):
 
 
 @pytest.fixture
-def encoder(raw_language) -> Iterator:  # noqa: F811
+def encoder(raw_language) -> Iterator:
     """Start an in-process sender on a transport class; returns (sender, allocator, start_room)."""
-    pull, push, port = raw_language
+    raw = raw_language
     made = []
 
     def start(transport: GatedTransport):
@@ -45,19 +46,17 @@ def encoder(raw_language) -> Iterator:  # noqa: F811
                                         BufferPool(64, 128, 64), allocator := BlockAllocator(64))
         dst = BufferPool(64, 128, 64)  # the gated transport writes here: it must outlive the sender
         made.append((sender, transport, dst))
-        push.connect(f"tcp://127.0.0.1:{sender.rank_port}")
-        push.send_multipart(RegisterMsg("127.0.0.1", port, "127.0.0.1:2", dst.base_ptrs, 1, 64, dst.item_lens).encode())
+        raw.connect(sender.rank_port)
+        raw.register(dst)
 
         def start_room(room: int) -> None:  # 1200 tokens: one round into 10 destination blocks
-            blocks = allocator.allocate(10)
-            sender.pool.write(blocks, synthetic_embedding(1200, 64, "bfloat16", seed=room))
-            sender.create_sender(room).send(blocks, 1200)
+            sender.create_sender(room).send(synthetic_embedding(1200, 64, "bfloat16", seed=room))
             dst_blocks = tuple(range(10 * (room % 6), 10 * (room % 6) + 10))
-            push.send_multipart(InitMsg(room, "127.0.0.1", port, "127.0.0.1:2", dst_blocks, 1, 1280).encode())
+            raw.send(InitMsg(room, "127.0.0.1", raw.port, raw.session, dst_blocks, 1, 1280))
 
         return sender, allocator, start_room
 
-    yield start, pull
+    yield start, raw
     for sender, transport, _ in made:
         transport.release.set()
         sender.close()
@@ -65,81 +64,78 @@ def encoder(raw_language) -> Iterator:  # noqa: F811
 
 def room_one_held_in_flight(encoder):
     """An encoder whose room 1 is being written and held there until ``transport.release``."""
-    start, pull = encoder
+    start, raw = encoder
     transport = GatedTransport()
     sender, allocator, start_room = start(transport)
     start_room(1)
+    raw.answer_ping()  # the first write to a new session waits for it
     wait_for(lambda: sender._rooms[1].in_flight, 5, "the write to start")
-    return sender, allocator, start_room, transport, pull
+    return sender, allocator, start_room, transport, raw
 
 
 def test_a_failed_status_waits_until_the_write_in_flight_has_landed(encoder) -> None:
-    sender, allocator, _, transport, pull = room_one_held_in_flight(encoder)
-    sender.abort_all("the encode worker went to sleep (preserve_state=false)")
+    sender, allocator, _, transport, raw = room_one_held_in_flight(encoder)
+    sender.abort_all(FailureKind.ASLEEP, "the encode worker went to sleep (preserve_state=false)")
     # The language side frees its blocks on Failed: it must not hear of it while bytes may land.
-    assert not pull.poll(300), "Failed went out while the write was still in flight"
+    assert raw.recv(0.3) is None, "Failed went out while the write was still in flight"
     transport.release.set()
-    msg = recv_any(pull)
-    assert (msg.room, msg.status) == (1, KVPoll.Failed) and "went to sleep" in msg.reason
+    msg = raw.expect()
+    assert (msg.room, msg.status) == (1, KVPoll.Failed) and msg.reason.startswith("asleep: ")
+    assert "went to sleep" in msg.reason
     wait_for(allocator.all_free, 5, "the source blocks")
 
 
 def test_a_pause_that_times_out_leaves_the_encoder_writing(encoder) -> None:
-    sender, allocator, start_room, transport, pull = room_one_held_in_flight(encoder)
+    sender, allocator, start_room, transport, raw = room_one_held_in_flight(encoder)
     with pytest.raises(TimeoutError, match="writes still in flight"):
         sender.pause(timeout=0.2)
     transport.release.set()
-    assert recv_any(pull) == StatusMsg(1, KVPoll.Success, 1200)
+    assert raw.expect() == StatusMsg(1, KVPoll.Success, 1200)
     start_room(2)  # before the fix the encoder stayed paused: no write, no timeout, for ever
-    assert recv_any(pull) == StatusMsg(2, KVPoll.Success, 1200)
+    assert raw.expect() == StatusMsg(2, KVPoll.Success, 1200)
     wait_for(allocator.all_free, 5, "the source blocks")
 
 
 def test_an_unexpected_write_error_fails_its_room_and_the_worker_goes_on(encoder) -> None:
-    start, pull = encoder
+    start, raw = encoder
     sender, allocator, start_room = start(FailingFirstWrite())
     start_room(1)
-    msg = recv_any(pull)
+    msg = raw.expect()
     assert (msg.room, msg.status) == (1, KVPoll.Failed)
     assert "write failed unexpectedly: RuntimeError: engine handle vanished" in msg.reason
     wait_for(allocator.all_free, 5, "room 1's source blocks")
     for room in (2, 3, 4):  # more rooms than transfer workers: none of them died
         start_room(room)
-        assert recv_any(pull) == StatusMsg(room, KVPoll.Success, 1200)
+        assert raw.expect() == StatusMsg(room, KVPoll.Success, 1200)
     wait_for(allocator.all_free, 5, "the source blocks")
 
 
-def test_destinations_with_unequal_allocations_get_the_same_round(raw_language) -> None:  # noqa: F811
+def test_destinations_with_unequal_allocations_get_the_same_round() -> None:
     """Two language peers of one room: each round is the smaller allocation, for both alike."""
-    _, push, _ = raw_language
     ctx = zmq.Context()
     transport = GatedTransport()
     transport.release.set()
     allocator = BlockAllocator(64)
     sender = EmbeddingSenderManager(ConnectorConfig(num_blocks=64, hidden_size=64), transport,
                                     BufferPool(64, 128, 64), allocator)
-    peers = []  # (session, reply socket, its port, pool)
-    for session in ("127.0.0.1:2", "127.0.0.1:3"):
-        pull = ctx.socket(zmq.PULL)
-        peers.append((session, pull, pull.bind_to_random_port("tcp://127.0.0.1"), BufferPool(64, 128, 64)))
+    peers = [(RawLanguage(ctx, session), BufferPool(64, 128, 64)) for session in ("127.0.0.1:2", "127.0.0.1:3")]
     try:
-        push.connect(f"tcp://127.0.0.1:{sender.rank_port}")
-        for session, _, port, dst in peers:
+        for raw, dst in peers:
             dst.embeddings[:] = 0
-            push.send_multipart(RegisterMsg("127.0.0.1", port, session, dst.base_ptrs, 1, 64, dst.item_lens).encode())
+            raw.connect(sender.rank_port)
+            raw.register(dst)
         emb = synthetic_embedding(2000, 64, "bfloat16", seed=9)
-        blocks = allocator.allocate(16)
-        sender.pool.write(blocks, emb)
-        sender.create_sender(5).send(blocks, 2000)
-        for (session, _, port, _), allocated in zip(peers, (1280, 2560), strict=True):
-            push.send_multipart(InitMsg(5, "127.0.0.1", port, session, tuple(range(allocated // 128)), 2,
-                                        allocated).encode())
-        assert [recv_any(pull) for _, pull, _, _ in peers] == [StatusMsg(5, KVPoll.Transferring, 1280)] * 2
-        assert not peers[1][3].embeddings[10:].any(), "the larger allocation got more than the status says"
-        for session, _, port, _ in peers:
-            push.send_multipart(ResumeMsg(5, "127.0.0.1", port, session, tuple(range(20, 26)), 2, 1280, 768).encode())
-        assert [recv_any(pull) for _, pull, _, _ in peers] == [StatusMsg(5, KVPoll.Success, 2000)] * 2
-        for *_, dst in peers:
+        sender.create_sender(5).send(emb)
+        for (raw, _), allocated in zip(peers, (1280, 2560), strict=True):
+            raw.send(InitMsg(5, "127.0.0.1", raw.port, raw.session, tuple(range(allocated // 128)), 2, allocated))
+        for raw, _ in peers:  # the round waits until both sessions answered a ping
+            raw.answer_ping()
+        assert [raw.expect() for raw, _ in peers] == [StatusMsg(5, KVPoll.Transferring, 1280)] * 2
+        assert not peers[1][1].embeddings[10:].any(), "the larger allocation got more than the status says"
+        for raw, _ in peers:
+            raw.send(ResumeMsg(5, "127.0.0.1", raw.port, raw.session, tuple(range(20, 26)), 2, 1280, 768))
+        assert [raw.expect() for raw, _ in peers] == [StatusMsg(5, KVPoll.Success, 2000)] * 2
+        for _, dst in peers:
             out = Embedding.empty(2000, 64, "bfloat16")
             dst.read_into(list(range(10)) + list(range(20, 26)), out, 0, 2000)
             out.aux[:] = dst.aux[0]
@@ -147,6 +143,6 @@ def test_destinations_with_unequal_allocations_get_the_same_round(raw_language) 
         wait_for(allocator.all_free, 5, "the source blocks")
     finally:
         sender.close()
-        for _, pull, _, _ in peers:
-            pull.close(0)
+        for raw, _ in peers:
+            raw.close()
         ctx.term()

@@ -16,6 +16,8 @@ from workers import WorkerProcess
 
 from embedding_side.encoders import write_builtin_checkpoint
 
+pytestmark = pytest.mark.sglang
+
 SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 SGLANG_SERVE = (str(Path(sys.executable).parent / "sglang"), "serve")
 
@@ -51,7 +53,8 @@ def test_help_lists_our_modes_and_flags() -> None:
     out = subprocess.run([*SGLANG_LAUNCH, "--help"], capture_output=True, text=True, timeout=120).stdout
     assert "--disaggregation-mode {null,prefill,decode,encode,language}" in out
     for flag in ("--embedding-cache-buffer-size", "--multimodal-block-size", "--checkpoint-dir",
-                 "--queue-while-sleeping", "--resume-timeout"):
+                 "--queue-while-sleeping", "--resume-timeout", "--staging-bytes", "--queue-timeout",
+                 "--max-queued-requests"):
         assert flag in out
 
 
@@ -60,17 +63,19 @@ def test_our_modes_dispatch_with_the_flags_sglang_parsed(mode: str) -> None:
     res = parse("--model-path", "/models/qwen", "--disaggregation-mode", mode, "--host", "127.0.0.2", "--port", "31234",
                 "--disaggregation-bootstrap-port", "31235", "--disaggregation-transfer-backend", "mooncake_tcp",
                 "--disaggregation-ib-device", "mlx5_0", "--tp-size", "1", "--log-level", "warning",
-                "--embedding-cache-buffer-size", "40", "--resume-timeout", "7")
+                "--embedding-cache-buffer-size", "40", "--resume-timeout", "7", "--max-queued-requests", "12",
+                "--staging-bytes", "1000000", "--queue-timeout", "4.5")
     assert res.returncode == 0, res.stderr[-2000:]
     args = line(res.stdout, "WORKER")
     assert "SGLANG " not in res.stdout  # SGLang's own server never started
     assert {k: args[k] for k in (
         "disaggregation_mode", "model_path", "host", "port", "disaggregation_bootstrap_port",
         "disaggregation_ib_device", "tp_size", "log_level", "mooncake_protocol", "embedding_cache_buffer_size",
-        "resume_timeout")} == {
+        "resume_timeout", "max_queued_requests", "staging_bytes", "queue_timeout")} == {
         "disaggregation_mode": mode, "model_path": "/models/qwen", "host": "127.0.0.2", "port": 31234,
         "disaggregation_bootstrap_port": 31235, "disaggregation_ib_device": "mlx5_0", "tp_size": 1,
-        "log_level": "warning", "mooncake_protocol": "tcp", "embedding_cache_buffer_size": 40, "resume_timeout": 7.0}
+        "log_level": "warning", "mooncake_protocol": "tcp", "embedding_cache_buffer_size": 40, "resume_timeout": 7.0,
+        "max_queued_requests": 12, "staging_bytes": 1000000, "queue_timeout": 4.5}
 
 
 def test_unsupported_backend_in_our_modes_is_a_clear_error() -> None:

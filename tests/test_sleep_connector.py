@@ -5,19 +5,17 @@ from __future__ import annotations
 import time
 
 import zmq
-from test_faults import raw_language, raw_pool, start_room, wait_for  # noqa: F401  (fixtures)
+from test_faults import start_room, wait_for
 
 from connector.allocator import BlockAllocator
 from connector.bootstrap import BootstrapServer
 from connector.buffers import BufferPool
 from connector.messages import (
     InitMsg,
-    RegisterMsg,
     StatusMsg,
     SuspendAckMsg,
     SuspendMsg,
     decode_encoder_bound,
-    decode_language_bound,
 )
 from connector.poll import KVPoll
 
@@ -113,27 +111,21 @@ def test_encoder_sleeps_with_rooms_in_every_phase_and_they_all_finish(make_peer,
     wait_for(lang.allocator.all_free, 5, "language blocks")
 
 
-def test_a_suspend_during_the_last_round_is_acked_after_its_success(make_peer, raw_language, raw_pool) -> None:  # noqa: F811
+def test_a_suspend_during_the_last_round_is_acked_after_its_success(make_peer, raw_language, raw_pool) -> None:
     """On the wire: the round's Success status comes before the SUSPEND_ACK, never after."""
-    pull, push, port = raw_language
-    transport, pool = raw_pool
+    raw, (transport, pool) = raw_language, raw_pool
+    raw.session = transport.session_id
     peer = make_peer(num_blocks=600)
     peer.call("stage", room=20, tokens=36_000, seed=20)
-    push.connect(f"tcp://127.0.0.1:{peer.info['rank_port']}")
-    push.send_multipart(RegisterMsg("127.0.0.1", port, transport.session_id, pool.base_ptrs, 1, 300,
-                                    pool.item_lens).encode())
-    push.send_multipart(InitMsg(20, "127.0.0.1", port, transport.session_id, tuple(range(282)), 1,
-                                282 * 128).encode())
-    push.send_multipart(SuspendMsg(20, "127.0.0.1", port, 1).encode())  # lands while the round is written
-    first = recv_any(pull)
-    second = recv_any(pull)
+    raw.connect(peer.info["rank_port"])
+    raw.register(pool)
+    raw.send(InitMsg(20, "127.0.0.1", raw.port, transport.session_id, tuple(range(282)), 1, 282 * 128))
+    raw.answer_ping()  # the first write to a new session waits for this: suspend once it can start
+    raw.send(SuspendMsg(20, "127.0.0.1", raw.port, 1))  # lands while the round is written
+    first = raw.expect()
+    second = raw.expect()
     assert isinstance(first, StatusMsg) and first.status == KVPoll.Success, first
     assert isinstance(second, SuspendAckMsg), second
-
-
-def recv_any(pull):
-    assert pull.poll(30_000), "no message from the encoder"
-    return decode_language_bound(pull.recv_multipart())
 
 
 def test_an_encoder_that_never_acks_the_suspend_is_aborted_and_the_pool_can_still_be_released(make_language) -> None:

@@ -91,12 +91,14 @@ def test_without_preserve_state_requests_fail_clearly_and_blocks_come_back(pair,
         time.sleep(1.0)  # the init is out: the room is open on both sides
         sleep_(worker, 2, False)
         resp = pending.result()
-    assert resp.status_code == (503 if side == "language" else 502)
+    assert resp.status_code == 503 and resp.headers["Retry-After"] == "5"  # either side: retry later
     assert "went to sleep (preserve_state=false)" in resp.json()["error"]
     assert wake(worker).status_code == 200
     enc = requests.post(f"{pair.encode.url}/encode", json={"rid": body["rid"], "bootstrap_room": room,
                                                           "images": [images["small"]]}, timeout=60)
-    assert enc.status_code == 200  # encoded, but the room is gone: its blocks are freed at once
+    # The room ended on both sides: its encode fails at once with the reason, nothing is encoded.
+    words = "aborted by language peer" if side == "language" else "went to sleep (preserve_state=false)"
+    assert enc.status_code in (502, 503) and words in enc.json()["error"], enc.text
     assert_pools_free(pair)
 
 
@@ -223,6 +225,7 @@ def test_corrupt_truncated_or_mismatched_checkpoints_are_refused_whole(images, t
         encode.stop()
 
 
+@pytest.mark.soak
 def test_soak_50_sleep_wake_cycles_while_16_requests_flow(tmp_path: Path) -> None:
     paths = []
     for i, (w, h) in enumerate([(448, 448), (1024, 768), (2048, 2048), (3840, 2160)] * 4):
@@ -283,7 +286,8 @@ def test_encode_restart_from_checkpoint_dir_continues_rooms_in_every_phase(make_
 
     def post_encode(room: int) -> str:
         resp = requests.post(f"{encode.url}/encode", json={"rid": f"r{room}", "bootstrap_room": room,
-                                                          "images": [images["4k"]]}, timeout=60)
+                                                          "images": [images["4k"]], "wait_for_delivery": False},
+                             timeout=60)
         assert resp.status_code == 200 and resp.json()["num_tokens"] == 10549, resp.text
         return resp.json()["sha256"]
 
@@ -329,7 +333,8 @@ def test_corrupt_or_mismatched_encode_checkpoint_is_refused_whole(images, tmp_pa
     ckpt = tmp_path / "ckpt"
     encode = WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", str(ckpt))
     try:
-        resp = requests.post(f"{encode.url}/encode", json={"rid": "c", "bootstrap_room": 5, "images": [images["2k"]]},
+        resp = requests.post(f"{encode.url}/encode", json={"rid": "c", "bootstrap_room": 5, "images": [images["2k"]],
+                                                          "wait_for_delivery": False},
                              timeout=60)
         assert resp.status_code == 200
         assert sleep_(encode)["kept_bytes"] > 0
@@ -339,7 +344,7 @@ def test_corrupt_or_mismatched_encode_checkpoint_is_refused_whole(images, tmp_pa
         for damage, args, words in [
             (("encode.safetensors", lambda b: b[:-7]), (), "corrupt or truncated"),
             (None, ("--hidden-size", "1024"), "hidden_size=3584; this worker has hidden_size=1024"),
-            (None, ("--embedding-cache-buffer-size", "16"), "holds 42 blocks of rooms; this worker's pool has 16"),
+            (None, ("--embedding-cache-buffer-size", "16"), "holds rooms of up to 42 blocks; this worker's pool has 16"),
         ]:
             if damage:
                 (ckpt / damage[0]).write_bytes(damage[1](good[damage[0]]))
@@ -363,7 +368,8 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_rooms_in_memory(images, t
     blocker.write_text("not a folder")
     encode = WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", str(blocker / "ckpt"))
     try:
-        resp = requests.post(f"{encode.url}/encode", json={"rid": "w", "bootstrap_room": 6, "images": [images["1k"]]},
+        resp = requests.post(f"{encode.url}/encode", json={"rid": "w", "bootstrap_room": 6, "images": [images["1k"]],
+                                                          "wait_for_delivery": False},
                              timeout=60)
         assert resp.status_code == 200
         slept = sleep_(encode)
@@ -391,8 +397,9 @@ def test_both_workers_restart_from_their_checkpoints(images, tmp_path: Path) -> 
             time.sleep(1.0)  # inited; the encoder has no data for the room yet
             assert sleep_(language)["kept_requests"] == 1
             enc = requests.post(f"{encode.url}/encode", json={"rid": "both", "bootstrap_room": 77,
-                                                              "images": [images["4k"]]}, timeout=60)
-            assert enc.status_code == 200
+                                                              "images": [images["4k"]], "wait_for_delivery": False},
+                                timeout=60)
+            assert enc.status_code == 200, enc.text
             assert sleep_(encode)["kept_bytes"] > 0
             for worker in (language, encode):
                 os.kill(worker.proc.pid, signal.SIGKILL)

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from connector.allocator import BlockAllocator
+from connector.failures import FailureKind
 from connector.poll import KVPoll, RoomState
 
 
@@ -32,9 +33,9 @@ def test_failed_always_wins_and_is_final() -> None:
     s = RoomState()
     assert s.advance(KVPoll.Success, 100)
     assert not s.advance(KVPoll.Transferring, 200)
-    assert s.fail("peer died")
-    assert s.status == KVPoll.Failed and s.reason == "peer died"
-    assert not s.fail("again") and s.reason == "peer died"
+    assert s.fail(FailureKind.PEER_DEAD, "peer died")
+    assert s.status == KVPoll.Failed and s.reason == "peer died" and s.kind == FailureKind.PEER_DEAD
+    assert not s.fail(FailureKind.TIMEOUT, "again") and s.reason == "peer died" and s.kind == FailureKind.PEER_DEAD
     assert not s.advance(KVPoll.Success, 300)
 
 

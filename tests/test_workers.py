@@ -205,7 +205,7 @@ def test_encoder_dying_mid_request_gives_a_5xx_naming_the_peer(images) -> None:
         assert "dead" in resp.json()["error"]
         text = requests.get(f"{pair.language.url}/metrics", timeout=10).text
         assert 'epd_pool_blocks_used{role="language"} 0.0' in text
-        assert 'epd_failures_total{reason="dead",role="language"} 1.0' in text
+        assert 'epd_failures_total{reason="peer_dead",role="language"} 1.0' in text
     finally:
         pair.encode.proc.wait()
         assert pair.language.stop() == 0

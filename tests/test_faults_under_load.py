@@ -1,0 +1,160 @@
+"""Faults under load: each side killed (SIGKILL) or frozen (SIGSTOP) while 16 requests run.
+
+Every request ends, with its result or a clear error, within the heartbeat window; every block
+comes back on the surviving side; a restarted (or resumed) peer serves new requests; a frozen
+encoder that comes back reports no success for a room its language peer gave up on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from test_workers import Pair, assert_pools_free
+from transfer_large_image import make_image, run_request
+from workers import WorkerProcess
+
+from embedding_side.encoders import FakeEncoder
+from embedding_side.images import load_image
+
+pytestmark = pytest.mark.faults
+
+HEARTBEAT = ("--encoder", "fake", "--heartbeat-interval", "0.5", "--heartbeat-max-failure", "2")
+# Two misses 0.5 s apart, the probe that finds the second one (up to one more interval), and
+# slack for a loaded 2-core machine.
+WINDOW = 0.5 * 2 + 0.5 + 2.5
+BOOTSTRAP = 3.0  # the encoder's wait for an init that a dead language worker will never send
+SIZES = [(3840, 2160), (2048, 2048), (1920, 1080), (1024, 768)]
+
+
+@pytest.fixture(scope="module")
+def load_set(tmp_path_factory) -> list[tuple[str, str]]:
+    """16 images and the sha256 the fake encoder gives each."""
+    root = tmp_path_factory.mktemp("fault-images")
+    encoder, out = FakeEncoder(), []
+    for i in range(16):
+        w, h = SIZES[i % len(SIZES)]
+        path = str(root / f"{i}.png")
+        make_image(w, h, seed=200 + i).save(path)
+        out.append((path, hashlib.sha256(encoder.encode([load_image(path)]).embeddings.tobytes()).hexdigest()))
+    return out
+
+
+def run_16(pair: Pair, load_set, fault, timeout: float = 120) -> tuple[list[dict], float]:
+    """Start 16 request pairs, apply ``fault()`` mid-flight; returns the results and when it struck."""
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(run_request, pair.encode.url, pair.language.url, pair.encode.bootstrap_port,
+                               f"f{room}", room, [path], timeout)
+                   for room, (path, _) in zip((next(pair.rooms) for _ in load_set), load_set, strict=True)]
+        time.sleep(1.0)  # transfers under way, more queued behind them
+        struck = time.monotonic()
+        fault()
+        return [f.result() for f in futures], struck
+
+
+def check_delivered(results: list[dict], load_set) -> None:
+    """Every request the language side answered with 200 has the right bytes."""
+    for r, (_, sha) in zip(results, load_set, strict=True):
+        if r["language_status"] == 200:
+            assert r["language_sha256"] == sha, r
+
+
+def stop(pair: Pair) -> None:
+    """Stop both workers; one killed by the test (and not restarted) has nothing left to stop."""
+    for worker in (pair.language, pair.encode):
+        worker.stop()
+
+
+def restart(worker: WorkerProcess, *args: str) -> WorkerProcess:
+    worker.proc.wait()
+    return WorkerProcess(worker.mode, *args)
+
+
+def test_an_encoder_killed_under_load(load_set) -> None:
+    pair = Pair(*HEARTBEAT)
+    try:
+        results, killed = run_16(pair, load_set, lambda: os.kill(pair.encode.proc.pid, signal.SIGKILL))
+        for r in results:
+            if r["language_status"] != 200:
+                assert r["language_status"] == 502 and "is dead" in r["language_error"], r
+                assert r["language_done_at"] - killed < WINDOW, r
+        check_delivered(results, load_set)
+        assert sum(r["language_status"] != 200 for r in results) >= 4  # the kill hit work in flight
+        pair.encode = restart(pair.encode, *HEARTBEAT)
+        assert pair.request([load_set[0][0]])["match"]
+        assert_pools_free(pair)
+    finally:
+        stop(pair)
+
+
+def test_a_language_worker_killed_under_load(load_set) -> None:
+    pair = Pair(*HEARTBEAT, encode_args=("--bootstrap-timeout", str(BOOTSTRAP)))
+    try:
+        results, killed = run_16(pair, load_set, lambda: os.kill(pair.language.proc.pid, signal.SIGKILL))
+        for r in results:
+            if r["encode_status"] == 200:  # delivered before the kill
+                continue
+            if r["encode_status"] == 504:  # never asked for: the encoder's wait for its init ends
+                assert "bootstrap, no init" in r["encode_error"], r
+                assert r["encode_done_at"] - killed < BOOTSTRAP + 2.5, r
+            else:  # found dead, or its write failed first: either way the error names the peer
+                assert r["encode_status"] == 502 and "language peer 127.0.0.1:" in r["encode_error"], r
+                assert r["encode_done_at"] - killed < WINDOW, r
+        assert sum(r["encode_status"] == 502 for r in results) >= 1
+        pair.language = restart(pair.language, *HEARTBEAT)
+        assert pair.request([load_set[1][0]])["match"]
+        assert_pools_free(pair)
+    finally:
+        stop(pair)
+
+
+def test_an_encoder_frozen_under_load_fails_its_rooms_and_claims_no_success_after(load_set) -> None:
+    pair = Pair(*HEARTBEAT)
+
+    def freeze() -> None:
+        os.kill(pair.encode.proc.pid, signal.SIGSTOP)
+        time.sleep(WINDOW + 1.5)  # longer than the window: the language side gives up meanwhile
+        os.kill(pair.encode.proc.pid, signal.SIGCONT)
+
+    try:
+        results, frozen = run_16(pair, load_set, freeze)
+        failed = [r for r in results if r["language_status"] != 200]
+        assert len(failed) >= 4
+        for r in failed:
+            assert r["language_status"] == 502 and "is dead" in r["language_error"], r
+            assert r["language_done_at"] - frozen < WINDOW, r
+            assert r["encode_status"] != 200, f"the encoder claimed a delivery its peer gave up on: {r}"
+        check_delivered(results, load_set)
+        assert_pools_free(pair, timeout=20)  # the language side's blocks wait for the encoder's acks
+        assert pair.request([load_set[2][0]])["match"]
+    finally:
+        stop(pair)
+
+
+def test_a_language_worker_frozen_under_load(load_set) -> None:
+    pair = Pair(*HEARTBEAT, encode_args=("--bootstrap-timeout", str(BOOTSTRAP)))
+
+    def freeze() -> None:
+        os.kill(pair.language.proc.pid, signal.SIGSTOP)
+        time.sleep(max(WINDOW, BOOTSTRAP + 2.5))
+        os.kill(pair.language.proc.pid, signal.SIGCONT)
+
+    try:
+        results, frozen = run_16(pair, load_set, freeze)
+        for r in results:
+            if r["encode_status"] == 200:
+                assert r["language_status"] == 200 and r["match"], r
+                continue
+            assert r["encode_status"] in (502, 504) and "language peer 127.0.0.1:" in r["encode_error"] \
+                or "bootstrap, no init" in r["encode_error"], r
+            assert r["encode_done_at"] - frozen < max(WINDOW, BOOTSTRAP + 2.5), r
+            assert r["language_status"] != 200, f"the language side finished a room its encoder gave up on: {r}"
+        assert sum(r["encode_status"] == 502 for r in results) >= 1
+        assert_pools_free(pair, timeout=20)
+        assert pair.request([load_set[3][0]])["match"]
+    finally:
+        stop(pair)

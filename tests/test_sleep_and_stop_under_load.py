@@ -1,0 +1,118 @@
+"""An encoder that falls asleep, and either worker stopped with SIGTERM, while request pairs
+are in flight: every request ends at once (result or clear error) on both sides, every block
+comes back, and a worker restarted on the same ports serves at once."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from test_workers import Pair, assert_pools_free
+from transfer_large_image import make_image, run_request
+from workers import WorkerProcess
+
+pytestmark = pytest.mark.load
+
+FAST_HEARTBEAT = ("--encoder", "fake", "--heartbeat-interval", "0.5", "--heartbeat-max-failure", "2")
+SIZES = [(3840, 2160), (1920, 1080), (1024, 768), (2048, 2048)]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("stop-images")
+    out = []
+    for i, (w, h) in enumerate(SIZES):
+        out.append(str(root / f"{w}x{h}.png"))
+        make_image(w, h, seed=300 + i).save(out[-1])
+    return out
+
+
+def start_pairs(pair: Pair, paths: list[str], pool: ThreadPoolExecutor, count: int, seed: int) -> list:
+    """``count`` request pairs, /encode or /generate first at random, up to 0.3 s apart."""
+    rng = random.Random(seed)
+    futures = []
+    for i in range(count):
+        room = next(pair.rooms)
+        futures.append(pool.submit(run_request, pair.encode.url, pair.language.url, pair.encode.bootstrap_port,
+                                   f"r{room}", room, [paths[i % len(paths)]], 60, encode_first=rng.random() < 0.5,
+                                   gap=rng.uniform(0, 0.3)))
+    return futures
+
+
+def test_an_encoder_falling_asleep_with_8_pairs_in_flight_leaves_no_language_room_hanging(paths) -> None:
+    pair = Pair("--encoder", "fake")
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            futures = start_pairs(pair, paths, pool, 8, seed=8)
+            time.sleep(0.3)
+            reply = requests.post(f"{pair.encode.url}/sleep", params={"preserve_state": "true"}, timeout=60)
+            assert reply.status_code == 200, reply.text
+            time.sleep(2.0)
+            asleep_until = time.monotonic()
+            assert requests.post(f"{pair.encode.url}/wake_up", timeout=60).status_code == 200
+            results = [f.result() for f in futures]
+        for r in results:
+            if r["encode_status"] == 200:  # kept over the sleep, or done before it
+                assert r["match"], r
+                continue
+            # Refused while asleep: the language half fails at once too, with the same 503.
+            assert r["encode_status"] == r["language_status"] == 503, r
+            assert "asleep" in r["encode_error"] and "asleep" in r["language_error"], r
+            assert r["language_done_at"] < asleep_until + 1.0, r
+        assert sum(r["encode_status"] == 200 for r in results) >= 1
+        assert_pools_free(pair)
+        assert pair.request([paths[0]])["match"]
+    finally:
+        pair.stop()
+
+
+@pytest.mark.parametrize("side", ["encode", "language"])
+def test_sigterm_under_load_ends_every_request_and_frees_the_ports(paths, side: str) -> None:
+    pair = Pair(*FAST_HEARTBEAT)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            futures = start_pairs(pair, paths, pool, 8, seed=21)
+            # A request whose other half never comes: it is surely in flight at the signal.
+            lonely = next(pair.rooms)
+            idle = (pool.submit(requests.post, f"{pair.language.url}/generate", timeout=60, json={
+                "rid": "generate-only", "bootstrap_host": "127.0.0.1", "bootstrap_port": pair.encode.bootstrap_port,
+                "bootstrap_room": lonely}) if side == "language" else
+                pool.submit(requests.post, f"{pair.encode.url}/encode", timeout=60,
+                            json={"rid": "encode-only", "bootstrap_room": lonely, "images": [paths[2]]}))
+            time.sleep(0.5)
+            worker = pair.language if side == "language" else pair.encode
+            signalled = time.monotonic()
+            worker.proc.send_signal(signal.SIGTERM)
+            assert worker.proc.wait(10) == 0
+            exited = time.monotonic() - signalled
+            results = [f.result() for f in futures]
+            idle_result = idle.result()
+        assert exited < 5, f"the {side} worker took {exited:.1f}s to stop"
+        stopped = "language" if side == "language" else "encode"
+        for r in results:
+            if r["match"]:
+                continue
+            status, error = r[f"{stopped}_status"], r[f"{stopped}_error"]
+            # In flight at the signal: a 503 saying so; sent after it: no listener (status 0).
+            assert status == 0 or (status == 503 and "shutting down" in error), r
+            assert r[f"{stopped}_done_at"] - signalled < 5, r
+            other = "encode" if side == "language" else "language"
+            assert r[f"{other}_status"] != 200, f"the {other} side finished a room the other gave up: {r}"
+            assert r[f"{other}_done_at"] - signalled < 6, r
+        assert idle_result.status_code == 503 and idle_result.headers["Retry-After"] == "5"
+        assert f"the {side} worker is shutting down" in idle_result.json()["error"]
+        restarted = WorkerProcess(worker.mode, *FAST_HEARTBEAT, port=worker.port,
+                                  bootstrap_port=worker.bootstrap_port)
+        if side == "language":
+            pair.language = restarted
+        else:
+            pair.encode = restarted
+        assert pair.request([paths[1]])["match"]
+        assert_pools_free(pair)
+    finally:
+        for w in (pair.language, pair.encode):
+            w.stop()
