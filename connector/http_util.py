@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
+import re
 import signal
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
@@ -80,7 +82,7 @@ async def read_json(request: web.Request, required: dict[str, type | tuple[type,
     """The request's JSON object with ``required`` fields checked; HTTPError 400 otherwise."""
     try:
         body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # nested 100k deep, say
         raise HTTPError(400, "body must be a JSON object") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "body must be a JSON object")
@@ -102,6 +104,22 @@ async def wait_for_future(future: Future, on_cancel: Callable[[], object]) -> ob
     except asyncio.CancelledError:
         on_cancel()
         raise
+
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def check_host(value: str) -> str:
+    """A host name or IP address, as it goes into a URL (IPv6 in brackets); HTTPError 400 for
+    anything else (a port, a path, a query)."""
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError:
+        labels = value.removesuffix(".").split(".")
+        if len(value) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+            raise HTTPError(400, "bootstrap_host must be a host name or an IP address") from None
+        return value
+    return f"[{address}]" if address.version == 6 else str(address)
 
 
 def check_room(value: object) -> int:

@@ -1,5 +1,16 @@
 """Image inputs: local paths, file://, http(s):// and data: URIs; PNG, JPEG and WebP only.
 
+What a client may name is a :class:`MediaPolicy` (the flags follow vLLM's):
+
+* local paths and ``file://`` only inside ``--allowed-local-media-path`` directories (after
+  following symlinks), only regular files, read up to the byte limit (a size from metadata is
+  never trusted: devices and ``/proc`` files say 0). A refused path gets the same answer whether
+  it exists or not;
+* ``http(s)://`` only to ``--allowed-media-domains`` when given; otherwise to any host whose
+  addresses are all public, unless ``--allow-private-media-urls``. Redirects are followed by
+  hand, each target checked the same way;
+* at most ``--max-image-pixels`` pixels, read from the header before anything is decoded.
+
 Every failure is an :class:`ImageInputError` whose message says what was wrong with which
 input (and never echoes file contents or the full data URI).
 """
@@ -9,7 +20,12 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import ipaddress
+import os
+import socket
+import stat
 import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -18,7 +34,9 @@ from PIL import Image, UnidentifiedImageError
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
 DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_TIMEOUT_S = 10.0
-# A decompression bomb guard well above 4K (8.3 Mpx) but far below what would exhaust memory.
+DEFAULT_MAX_PIXELS = 40_000_000  # 4.8 times a 4K frame; a decoded RGB image of it is 120 MB
+MAX_REDIRECTS = 5
+# Pillow's own bomb guard stays as a second line behind ``max_pixels``.
 Image.MAX_IMAGE_PIXELS = 20_000 * 20_000
 
 
@@ -26,20 +44,44 @@ class ImageInputError(ValueError):
     """An image reference that cannot be loaded; maps to HTTP 400."""
 
 
+@dataclass(frozen=True)
+class MediaPolicy:
+    """What image references a request may name, and the bounds on reading them."""
+
+    local_dirs: tuple[Path, ...] = ()  # resolved directories; none: local files are refused
+    domains: tuple[str, ...] | None = None  # host names URLs may name; None: any public host
+    allow_private: bool = False  # URLs to loopback, link-local and private addresses
+    max_bytes: int = DEFAULT_MAX_BYTES
+    fetch_timeout: float = DEFAULT_TIMEOUT_S
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_images: int = 16  # per request
+
+    @classmethod
+    def create(cls, local_dirs: list[str] | tuple[str, ...] = (), domains: list[str] | None = None,
+               **limits: object) -> MediaPolicy:
+        """A policy from flag values: directories resolved, domains lower-cased."""
+        return cls(tuple(Path(os.path.realpath(d)) for d in local_dirs),
+                   tuple(d.strip().lower().rstrip(".") for d in domains) if domains else None, **limits)
+
+
 def describe(ref: str) -> str:
     """A short, safe name for an input in error messages."""
     return ref[:40] + "..." if ref.startswith("data:") else ref[:200]
 
 
-def load_image(ref: str, max_bytes: int = DEFAULT_MAX_BYTES, timeout: float = DEFAULT_TIMEOUT_S) -> Image.Image:
+def load_image(ref: str, policy: MediaPolicy) -> Image.Image:
     """Fetch and decode one image reference into an RGB Pillow image."""
     if not isinstance(ref, str) or not ref:
         raise ImageInputError("each image must be a non-empty string (path, file://, http(s):// or data: URI)")
-    data = _fetch(ref, max_bytes, timeout)
+    data = _fetch(ref, policy)
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data))  # reads the header only
         if img.format not in ALLOWED_FORMATS:
             raise ImageInputError(f"{describe(ref)}: format {img.format} not supported (use PNG, JPEG or WebP)")
+        width, height = img.size
+        if width * height > policy.max_pixels:
+            raise ImageInputError(f"{describe(ref)}: {width}x{height} is {width * height} pixels, over the "
+                                  f"{policy.max_pixels}-pixel limit")
         img.load()
     except ImageInputError:
         raise
@@ -48,45 +90,92 @@ def load_image(ref: str, max_bytes: int = DEFAULT_MAX_BYTES, timeout: float = DE
     return img.convert("RGB")
 
 
-def _fetch(ref: str, max_bytes: int, timeout: float) -> bytes:
+def _fetch(ref: str, policy: MediaPolicy) -> bytes:
     scheme = urllib.parse.urlsplit(ref).scheme.lower() if "://" in ref or ref.startswith("data:") else ""
     if scheme == "data":
-        return _data_uri(ref, max_bytes)
+        return _data_uri(ref, policy.max_bytes)
     if scheme in ("http", "https"):
-        return _http(ref, max_bytes, timeout)
+        return _http(ref, policy)
     if scheme == "file":
-        return _read_file(Path(urllib.parse.unquote(urllib.parse.urlsplit(ref).path)), ref, max_bytes)
+        return _read_file(urllib.parse.unquote(urllib.parse.urlsplit(ref).path), ref, policy)
     if scheme:
         raise ImageInputError(f"{describe(ref)}: unsupported scheme {scheme!r} (use a path, file://, http(s):// or data:)")
-    return _read_file(Path(ref), ref, max_bytes)
+    return _read_file(ref, ref, policy)
 
 
-def _read_file(path: Path, ref: str, max_bytes: int) -> bytes:
+# ---- local files -----------------------------------------------------------------------------
+
+def _read_file(path: str, ref: str, policy: MediaPolicy) -> bytes:
+    resolved = Path(os.path.realpath(path))  # symlinks followed, whether it exists or not
+    if not any(resolved.is_relative_to(root) for root in policy.local_dirs):
+        # The same words whether the file exists or not.
+        raise ImageInputError(f"{describe(ref)}: local files are only read inside --allowed-local-media-path "
+                              f"({len(policy.local_dirs)} directories allowed)")
     try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise ImageInputError(f"{describe(ref)}: {size} bytes exceeds the {max_bytes}-byte limit")
-        return path.read_bytes()
-    except ImageInputError:
-        raise
+        # O_NONBLOCK: opening a FIFO with no writer must not block; O_NOFOLLOW: no symlink
+        # swapped in after the check above.
+        fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as exc:
         raise ImageInputError(f"{describe(ref)}: cannot read file ({exc.strerror or type(exc).__name__})") from None
-
-
-def _http(url: str, max_bytes: int, timeout: float) -> bytes:
     try:
-        with requests.get(url, stream=True, timeout=timeout) as resp:
-            if resp.status_code != 200:
-                raise ImageInputError(f"{describe(url)}: HTTP {resp.status_code}")
-            chunks, total = [], 0
-            for chunk in resp.iter_content(1 << 16):
-                total += len(chunk)
-                if total > max_bytes:
-                    raise ImageInputError(f"{describe(url)}: larger than the {max_bytes}-byte limit")
-                chunks.append(chunk)
-            return b"".join(chunks)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ImageInputError(f"{describe(ref)}: not a regular file")
+        return _read_bounded(lambda n: os.read(fd, n), ref, policy.max_bytes)
+    finally:
+        os.close(fd)
+
+
+def _read_bounded(read, ref: str, max_bytes: int) -> bytes:
+    """Read until EOF, failing as soon as more than ``max_bytes`` came."""
+    chunks, total = [], 0
+    while chunk := read(min(1 << 20, max_bytes + 1 - total)):
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > max_bytes:
+            raise ImageInputError(f"{describe(ref)}: larger than the {max_bytes}-byte limit")
+    return b"".join(chunks)
+
+
+# ---- URLs ------------------------------------------------------------------------------------
+
+def _check_url(url: str, policy: MediaPolicy) -> None:
+    parts = urllib.parse.urlsplit(url)
+    host = (parts.hostname or "").lower().rstrip(".")
+    if parts.scheme.lower() not in ("http", "https") or not host:
+        raise ImageInputError(f"{describe(url)}: only http(s) URLs with a host are fetched")
+    if policy.domains is not None:
+        if host not in policy.domains:
+            raise ImageInputError(f"{describe(url)}: host {host!r} is not in --allowed-media-domains")
+        return
+    if policy.allow_private:
+        return
+    try:
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+        infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
+    except (OSError, ValueError, UnicodeError):
+        raise ImageInputError(f"{describe(url)}: host {host!r} does not resolve") from None
+    for info in infos:
+        address = ipaddress.ip_address(info[4][0].split("%")[0])
+        if not address.is_global or address.is_multicast:
+            raise ImageInputError(f"{describe(url)}: host {host!r} resolves to a non-public address; fetching it "
+                                  f"needs --allow-private-media-urls or --allowed-media-domains")
+
+
+def _http(url: str, policy: MediaPolicy) -> bytes:
+    try:
+        for _ in range(MAX_REDIRECTS + 1):
+            _check_url(url, policy)
+            with requests.get(url, stream=True, timeout=policy.fetch_timeout, allow_redirects=False) as resp:
+                if resp.is_redirect:
+                    url = urllib.parse.urljoin(url, resp.headers["location"])
+                    continue
+                if resp.status_code != 200:
+                    raise ImageInputError(f"{describe(url)}: HTTP {resp.status_code}")
+                chunks = resp.iter_content(1 << 16)
+                return _read_bounded(lambda _n, chunks=chunks: next(chunks, b""), url, policy.max_bytes)
+        raise ImageInputError(f"{describe(url)}: more than {MAX_REDIRECTS} redirects")
     except requests.Timeout:
-        raise ImageInputError(f"{describe(url)}: no answer within {timeout:g}s") from None
+        raise ImageInputError(f"{describe(url)}: no answer within {policy.fetch_timeout:g}s") from None
     except requests.RequestException as exc:
         raise ImageInputError(f"{describe(url)}: unreachable ({type(exc).__name__})") from None
 

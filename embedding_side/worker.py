@@ -35,7 +35,6 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -55,26 +54,19 @@ from connector.sender import EmbeddingSender, EmbeddingSenderManager, SenderRoom
 from connector.sleep import SleepGate, WorkerState
 from embedding_side import checkpoint
 from embedding_side.encoders import VisionEncoder, tokens_for
-from embedding_side.images import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S, ImageInputError, load_image
+from embedding_side.images import ImageInputError, MediaPolicy, load_image
 from embedding_side.positions import image_positions
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class ImageLimits:
-    max_bytes: int = DEFAULT_MAX_BYTES
-    fetch_timeout: float = DEFAULT_TIMEOUT_S
-    max_images: int = 16
-
-
 class EncodeWorker:
     def __init__(self, config: ConnectorConfig, encoder: VisionEncoder, bootstrap_port: int,
-                 limits: ImageLimits | None = None, queue_while_sleeping: bool = False,
+                 media: MediaPolicy | None = None, queue_while_sleeping: bool = False,
                  checkpoint_dir: str | None = None) -> None:
         if encoder.hidden_size != config.hidden_size:
             raise ValueError(f"encoder output width {encoder.hidden_size} != configured hidden size {config.hidden_size}")
-        self.config, self.encoder, self.limits = config, encoder, limits or ImageLimits()
+        self.config, self.encoder, self.media = config, encoder, media or MediaPolicy()
         self.checkpoint_dir = checkpoint_dir
         self.pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
         self.allocator = BlockAllocator(config.num_blocks)
@@ -116,9 +108,9 @@ class EncodeWorker:
         :class:`TransferFailure` (its kind gives the HTTP status)."""
         start = time.monotonic()
         try:
-            if not image_refs or len(image_refs) > self.limits.max_images:
+            if not image_refs or len(image_refs) > self.media.max_images:
                 raise TransferFailure(FailureKind.BAD_REQUEST,
-                                      f"images must be a list of 1 to {self.limits.max_images} references")
+                                      f"images must be a list of 1 to {self.media.max_images} references")
             if not all(isinstance(ref, str) for ref in image_refs):
                 raise TransferFailure(FailureKind.BAD_REQUEST,
                                       "images must be strings (path, file://, http(s):// or data: URI)")
@@ -214,7 +206,7 @@ class EncodeWorker:
                 "dtype": embedding.dtype, "sha256": embedding.sha256(), "grid_thw": grids}
 
     def _load(self, refs: list[str]) -> list[Image.Image]:
-        return [load_image(ref, self.limits.max_bytes, self.limits.fetch_timeout) for ref in refs]
+        return [load_image(ref, self.media) for ref in refs]
 
     def _run_encoder(self, sender: EmbeddingSender,
                      images: list[Image.Image]) -> tuple[Embedding, list[list[int]]] | None:

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from connector.http_util import HTTPError, add_sleep_routes, check_room, errors_as_json, read_json, wait_for_future
+from connector.http_util import (
+    HTTPError,
+    add_sleep_routes,
+    check_host,
+    check_room,
+    errors_as_json,
+    read_json,
+    wait_for_future,
+)
 from language_side.worker import LanguageWorker
 
 
@@ -18,7 +26,7 @@ def build_app(worker: LanguageWorker) -> web.Application:
         if not 0 < port < 65536:
             raise HTTPError(400, "bootstrap_port must be in 1..65535")
         rid = body["rid"]
-        future = worker.submit(rid, f"{body['bootstrap_host']}:{port}", room)
+        future = worker.submit(rid, f"{check_host(body['bootstrap_host'])}:{port}", room)
         return web.json_response(await wait_for_future(future, lambda: worker.cancel(rid, "the client went away")))
 
     async def abort_request(request: web.Request) -> web.Response:

@@ -136,7 +136,9 @@ def main() -> int:
             bootstrap_port = requests.get(f"{encode_url}/health", timeout=10).json()["bootstrap_port"]
         else:
             print("starting encode and language workers ...", file=sys.stderr, flush=True)
-            enc = WorkerProcess("encode", "--encoder", args.encoder, *args.worker_arg)
+            image_dirs = sorted({str(Path(p).parent) for _, paths in requests_set for p in paths})
+            enc = WorkerProcess("encode", "--encoder", args.encoder, *args.worker_arg,
+                                *(arg for d in image_dirs for arg in ("--allowed-local-media-path", d)))
             started.append(enc)
             lang = WorkerProcess("language", *args.worker_arg)
             started.append(lang)

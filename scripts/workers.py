@@ -24,16 +24,19 @@ class WorkerProcess:
 
     def __init__(self, mode: str, *extra: str, command: tuple[str, ...] = (sys.executable, "-m", "sglang_ext.launch_server"),
                  timeout: float = 120.0, env: dict[str, str] | None = None, bootstrap_port: int | None = None,
-                 port: int | None = None) -> None:
+                 port: int | None = None, trusted_media: bool = True) -> None:
         """``command`` is what starts a worker: ours by default, or SGLang's launchers. It gets free
         ports (HTTP, and bootstrap for an encode worker) unless ``port`` and ``bootstrap_port``
-        name them (a restart)."""
+        name them (a restart). An encode worker reads images under the temp directory and from
+        loopback URLs (where tests and scripts put them) unless ``trusted_media`` is false."""
         self.mode, self.port = mode, port or free_port()
         self.bootstrap_port = (bootstrap_port or free_port()) if mode == "encode" else None
         args = [*command, "--disaggregation-mode", mode, "--host", "127.0.0.1",
                 "--port", str(self.port), *extra]
         if self.bootstrap_port:
             args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        if mode == "encode" and trusted_media:
+            args += ["--allowed-local-media-path", tempfile.gettempdir(), "--allow-private-media-urls"]
         # A file, not a pipe: nobody has to keep reading it for the worker to keep running.
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix=f"{mode}-worker-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log_file, stderr=subprocess.STDOUT, text=True,

@@ -11,6 +11,7 @@ import os
 
 from connector.buffers import BufferPool
 from connector.config import ENV_NAMES, ConnectorConfig
+from embedding_side.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_TIMEOUT_S
 
 MODES = ("encode", "language")
 
@@ -75,8 +76,20 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                         "checkpoint in it boots asleep and continues the requests on /wake_up")
     g.add_argument("--queue-while-sleeping", action="store_true",
                    help="requests that arrive while asleep wait for the wake-up instead of getting 503")
-    g.add_argument("--image-max-bytes", type=int, default=64 << 20, help="encode side: per image (default %(default)s)")
-    g.add_argument("--image-fetch-timeout", type=float, default=10.0, help="encode side: http(s) images (default %(default)s)")
+    m = parser.add_argument_group("media access (encode side; what a request may name)")
+    m.add_argument("--allowed-local-media-path", action="append", metavar="DIR",
+                   help="local paths and file:// URIs are read only inside this directory (symlinks followed; "
+                        "repeatable); without it, local files are refused")
+    m.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                   help="http(s) images only from these host names (then no address check)")
+    m.add_argument("--allow-private-media-urls", action="store_true",
+                   help="without --allowed-media-domains, also fetch URLs whose host resolves to loopback, "
+                        "link-local or private addresses (refused by default)")
+    m.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_PIXELS,
+                   help="per image, from its header before decoding (default %(default)s)")
+    m.add_argument("--image-max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="per image (default %(default)s)")
+    m.add_argument("--image-fetch-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="http(s) images (default %(default)s)")
 
 
 def connector_config(args: argparse.Namespace) -> ConnectorConfig:

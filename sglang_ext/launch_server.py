@@ -23,11 +23,14 @@ def run(args: argparse.Namespace) -> None:
     if args.disaggregation_mode == "encode":
         from embedding_side.encoders import FakeEncoder, QwenVisionEncoder
         from embedding_side.http_api import build_app
-        from embedding_side.worker import EncodeWorker, ImageLimits
+        from embedding_side.images import MediaPolicy
+        from embedding_side.worker import EncodeWorker
 
         encoder = FakeEncoder(config.hidden_size) if args.encoder == "fake" else QwenVisionEncoder(args.model_path)
-        worker = EncodeWorker(config, encoder, args.disaggregation_bootstrap_port,
-                              ImageLimits(args.image_max_bytes, args.image_fetch_timeout), args.queue_while_sleeping,
+        media = MediaPolicy.create(args.allowed_local_media_path or (), args.allowed_media_domains,
+                                   allow_private=args.allow_private_media_urls, max_bytes=args.image_max_bytes,
+                                   fetch_timeout=args.image_fetch_timeout, max_pixels=args.max_image_pixels)
+        worker = EncodeWorker(config, encoder, args.disaggregation_bootstrap_port, media, args.queue_while_sleeping,
                               args.checkpoint_dir)
         extra = (f" bootstrap=http://{config.host}:{worker.bootstrap.port} "
                  f"zmq=tcp://{config.host}:{worker.sender.rank_port} encoder={encoder.name}")

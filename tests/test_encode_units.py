@@ -5,7 +5,9 @@ from __future__ import annotations
 import base64
 import http.server
 import io
+import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from PIL import Image
 from transfer_large_image import make_image
 
 from embedding_side.encoders import FakeEncoder, QwenVisionEncoder, grid_for, smart_resize
-from embedding_side.images import ImageInputError, load_image
+from embedding_side.images import ImageInputError, MediaPolicy, load_image
 from embedding_side.positions import IMAGE_PAD_ID, image_positions
 
 
@@ -38,22 +40,36 @@ def image_server(tmp_path_factory):
         def log_message(self, *args):
             pass
 
+        def do_GET(self):
+            if self.path.startswith("/redirect"):  # /redirect?to=<url>
+                self.send_response(302)
+                self.send_header("Location", self.path.split("to=", 1)[1])
+                self.end_headers()
+                return
+            super().do_GET()
+
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
 
 
+# Local files under /tmp (where pytest puts them) and loopback URLs (the test server).
+TRUSTED = MediaPolicy.create(["/tmp"], allow_private=True)
+
+
 def test_every_supported_source_and_format_loads(tmp_path: Path, image_server: str) -> None:
     img = make_image(64, 48, 1)
+    policy = MediaPolicy.create([str(tmp_path)], allow_private=True)
     for fmt, ext in (("PNG", "png"), ("JPEG", "jpg"), ("WEBP", "webp")):
         path = tmp_path / f"a.{ext}"
         path.write_bytes(png_bytes(img, fmt))
-        assert load_image(str(path)).size == (64, 48)
-        assert load_image(path.as_uri()).size == (64, 48)
+        assert load_image(str(path), policy).size == (64, 48)
+        assert load_image(path.as_uri(), policy).size == (64, 48)
     uri = "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()
-    assert np.array_equal(np.asarray(load_image(uri)), np.asarray(img))
-    assert load_image(f"{image_server}/ok.png").size == (64, 48)
+    assert np.array_equal(np.asarray(load_image(uri, MediaPolicy())), np.asarray(img))
+    assert load_image(f"{image_server}/ok.png", policy).size == (64, 48)
+    assert load_image(f"{image_server}/redirect?to=/ok.png", policy).size == (64, 48)
 
 
 @pytest.mark.parametrize("ref, words", [
@@ -67,19 +83,23 @@ def test_every_supported_source_and_format_loads(tmp_path: Path, image_server: s
 ])
 def test_bad_inputs_say_what_is_wrong(ref: str, words: str) -> None:
     with pytest.raises(ImageInputError, match=words) as info:
-        load_image(ref)
+        load_image(ref, MediaPolicy.create(["/"], allow_private=True))
     assert len(str(info.value)) < 300  # never echoes a whole payload
 
 
 def test_limits_on_size_and_format(tmp_path: Path, image_server: str) -> None:
+    small = MediaPolicy.create([str(tmp_path)], allow_private=True, max_bytes=4096)
     with pytest.raises(ImageInputError, match="4096-byte limit"):
-        load_image(f"{image_server}/big.png", max_bytes=4096)
+        load_image(f"{image_server}/big.png", small)
+    (tmp_path / "big.png").write_bytes(b"x" * 5000)
+    with pytest.raises(ImageInputError, match="4096-byte limit"):
+        load_image(str(tmp_path / "big.png"), small)
     with pytest.raises(ImageInputError, match="HTTP 404"):
-        load_image(f"{image_server}/missing.png")
+        load_image(f"{image_server}/missing.png", TRUSTED)
     gif = tmp_path / "a.gif"
     make_image(8, 8, 0).save(gif, "GIF")
     with pytest.raises(ImageInputError, match="format GIF not supported"):
-        load_image(str(gif))
+        load_image(str(gif), TRUSTED)
 
 
 def test_token_counts_follow_the_hub_processor_settings() -> None:
@@ -140,3 +160,69 @@ def test_mrope_positions_of_two_images() -> None:
     # image 1 ends at position 3, <|vision_end|> is 4, the next <|vision_start|> 5, so pads start at 6
     assert mrope[:, 6].tolist() == [6, 6, 6]
     assert delta == (6 + 2) - (6 + 2 + 1 + 2)
+
+
+# ---- hostile media (issue 12, part 1) ---------------------------------------------------------
+
+def test_local_files_only_inside_the_allowed_directories_and_refusals_do_not_tell_existence(tmp_path: Path) -> None:
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    make_image(16, 16, 0).save(allowed / "ok.png")
+    (allowed / "out.png").symlink_to("/etc/hostname")  # a symlink out of the directory
+    policy = MediaPolicy.create([str(allowed)])
+    assert load_image(str(allowed / "ok.png"), policy).size == (16, 16)
+    answers = []
+    for ref in ("/etc/shadow", "/proc/self/environ", "/nonexistent/x.png", str(allowed / "out.png"),
+                f"file://{allowed}/../../../etc/passwd", str(allowed / ".." / "elsewhere.png")):
+        with pytest.raises(ImageInputError, match="only read inside --allowed-local-media-path") as info:
+            load_image(ref, policy)
+        answers.append(str(info.value).replace(ref[:200], "REF"))
+    assert len(set(answers)) == 1, answers  # the same words whether the file exists or not
+    with pytest.raises(ImageInputError, match="only read inside"):
+        load_image(str(allowed / "ok.png"), MediaPolicy())  # no directory allowed: no local file
+
+
+def test_devices_and_fifos_are_refused_at_once_and_nothing_unbounded_is_read(tmp_path: Path) -> None:
+    everything = MediaPolicy.create(["/"])
+    for ref in ("/dev/zero", "file:///dev/urandom", str(tmp_path)):
+        with pytest.raises(ImageInputError, match="not a regular file"):
+            load_image(ref, everything)
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)  # no writer: opening it for a blocking read would wait for ever
+    start = time.monotonic()
+    with pytest.raises(ImageInputError, match="not a regular file"):
+        load_image(str(fifo), everything)
+    assert time.monotonic() - start < 1
+
+
+def test_a_pixel_bomb_is_refused_from_its_header(tmp_path: Path) -> None:
+    bomb = tmp_path / "bomb.png"
+    Image.new("1", (10_000, 10_000)).save(bomb, optimize=True)  # 100 Mpx in a few kB
+    assert bomb.stat().st_size < 200_000
+    with pytest.raises(ImageInputError, match="10000x10000 is 100000000 pixels, over the 40000000-pixel limit"):
+        load_image(str(bomb), TRUSTED)
+    with pytest.raises(ImageInputError, match="over the 100-pixel limit"):
+        load_image(str(bomb), MediaPolicy.create(["/tmp"], max_pixels=100))
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9/a.png", "http://localhost:9/a.png", "http://[::1]:9/a.png",
+                                 "http://169.254.169.254/latest/meta-data", "http://10.1.2.3/a.png",
+                                 "http://192.168.0.1/a.png", "http://0.0.0.0:9/a.png"])
+def test_urls_to_private_addresses_are_refused_by_default(url: str) -> None:
+    with pytest.raises(ImageInputError, match="resolves to a non-public address; fetching it needs"):
+        load_image(url, MediaPolicy())
+
+
+def test_domains_limit_fetches_and_every_redirect_is_checked_again(image_server: str) -> None:
+    port = image_server.rsplit(":", 1)[1]
+    local = MediaPolicy.create([], ["localhost"])
+    assert load_image(f"http://localhost:{port}/ok.png", local).size == (64, 48)
+    with pytest.raises(ImageInputError, match="host '127.0.0.1' is not in --allowed-media-domains"):
+        load_image(f"{image_server}/ok.png", local)
+    with pytest.raises(ImageInputError, match="host '127.0.0.1' is not in --allowed-media-domains"):
+        load_image(f"http://localhost:{port}/redirect?to={image_server}/ok.png", local)
+    with pytest.raises(ImageInputError, match="only http.s. URLs with a host are fetched"):
+        load_image(f"http://localhost:{port}/redirect?to=file:///etc/passwd", local)
+    with pytest.raises(ImageInputError, match="more than 5 redirects"):
+        load_image(f"http://localhost:{port}/redirect?to=/redirect?to=/redirect?to=/redirect?to=/redirect?to="
+                   f"/redirect?to=/ok.png", local)

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_workers import Pair, assert_pools_free
+from test_workers import TRUSTED_MEDIA, Pair, assert_pools_free
 from transfer_large_image import make_image, run_request
 from workers import WorkerProcess
 
@@ -40,7 +40,7 @@ def load_set(tmp_path_factory) -> list[tuple[str, str]]:
         w, h = SIZES[i % len(SIZES)]
         path = str(root / f"{i}.png")
         make_image(w, h, seed=200 + i).save(path)
-        out.append((path, hashlib.sha256(encoder.encode([load_image(path)]).embeddings.tobytes()).hexdigest()))
+        out.append((path, hashlib.sha256(encoder.encode([load_image(path, TRUSTED_MEDIA)]).embeddings.tobytes()).hexdigest()))
     return out
 
 

@@ -23,6 +23,7 @@ from connector.sender import EmbeddingSenderManager
 from connector.sleep import WorkerState
 from connector.staging import StagingBudget
 from embedding_side.encoders import FakeEncoder
+from embedding_side.images import MediaPolicy
 from embedding_side.worker import EncodeWorker
 
 
@@ -178,7 +179,8 @@ def encode_worker(raw_language, raw_pool, tmp_path):
     registered with a real Mooncake pool, and a small image."""
     transport, pool = raw_pool
     raw_language.session = transport.session_id
-    worker = EncodeWorker(ConnectorConfig(num_blocks=100), BrokenEncoder(), free_port())
+    worker = EncodeWorker(ConnectorConfig(num_blocks=100), BrokenEncoder(), free_port(),
+                          MediaPolicy.create([str(tmp_path)]))
     raw_language.connect(worker.sender.rank_port)
     raw_language.register(pool)
     image = str(tmp_path / "img.png")

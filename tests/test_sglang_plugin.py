@@ -54,7 +54,8 @@ def test_help_lists_our_modes_and_flags() -> None:
     assert "--disaggregation-mode {null,prefill,decode,encode,language}" in out
     for flag in ("--embedding-cache-buffer-size", "--multimodal-block-size", "--checkpoint-dir",
                  "--queue-while-sleeping", "--resume-timeout", "--staging-bytes", "--queue-timeout",
-                 "--max-queued-requests"):
+                 "--max-queued-requests", "--allowed-local-media-path", "--allowed-media-domains",
+                 "--allow-private-media-urls", "--max-image-pixels"):
         assert flag in out
 
 

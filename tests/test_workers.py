@@ -16,11 +16,14 @@ from pathlib import Path
 
 import pytest
 import requests
+from PIL import Image
 from transfer_large_image import make_image, run_request
 from workers import WorkerProcess
 
 from embedding_side.encoders import QwenVisionEncoder
-from embedding_side.images import load_image
+from embedding_side.images import MediaPolicy, load_image
+
+TRUSTED_MEDIA = MediaPolicy.create(["/"])  # for the tests' own reference encodings
 
 
 class Pair:
@@ -98,7 +101,7 @@ def in_process_encoder() -> QwenVisionEncoder:
 def in_process_sha(encoder: QwenVisionEncoder, paths: list[str]) -> str:
     import hashlib
 
-    return hashlib.sha256(encoder.encode([load_image(p) for p in paths]).embeddings.tobytes()).hexdigest()
+    return hashlib.sha256(encoder.encode([load_image(p, TRUSTED_MEDIA) for p in paths]).embeddings.tobytes()).hexdigest()
 
 
 def test_4k_image_takes_a_resume_round_and_matches_in_process_encoding(pair, images, in_process_encoder) -> None:
@@ -151,12 +154,50 @@ def test_bad_generate_requests_get_4xx_or_name_the_unreachable_peer(pair) -> Non
     assert resp.status_code == 400 and "JSON" in resp.json()["error"]
     resp = requests.post(url, json={"rid": "g1", "bootstrap_host": "127.0.0.1", "bootstrap_room": 1}, timeout=10)
     assert resp.status_code == 400 and "missing field 'bootstrap_port'" in resp.json()["error"]
+    for host in ("127.0.0.1:31001/x?", "evil.example/route#", "a b", "", "x" * 300, "-bad-.example"):
+        resp = requests.post(url, json={"rid": "g0", "bootstrap_host": host, "bootstrap_port": 8998,
+                                        "bootstrap_room": 1}, timeout=10)
+        assert resp.status_code == 400 and "bootstrap_host must be a host name or an IP address" in resp.text
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
     resp = requests.post(url, json={"rid": "g2", "bootstrap_host": "127.0.0.1", "bootstrap_port": dead_port,
                                     "bootstrap_room": 2}, timeout=30)
     assert resp.status_code == 502 and f"127.0.0.1:{dead_port} unreachable" in resp.json()["error"]
+
+
+def test_hostile_media_and_json_get_400_at_once_and_the_worker_serves_on(tmp_path: Path) -> None:
+    media = tmp_path / "media"
+    media.mkdir()
+    make_image(448, 448, seed=5).save(media / "ok.png")
+    Image.new("1", (10_000, 10_000)).save(media / "bomb.png")  # 100 Mpx in a few kB
+    os.mkfifo(media / "fifo.png")
+    (media / "out.png").symlink_to("/etc/passwd")
+    encode = WorkerProcess("encode", "--encoder", "fake", "--allowed-local-media-path", str(media),
+                           trusted_media=False)
+    pair = Pair.of(encode, WorkerProcess("language"))
+    try:
+        cases = {"/dev/zero": "only read inside --allowed-local-media-path",
+                 "/etc/shadow": "only read inside --allowed-local-media-path",
+                 "file:///proc/self/environ": "only read inside --allowed-local-media-path",
+                 str(media / "out.png"): "only read inside --allowed-local-media-path",
+                 str(media / "fifo.png"): "not a regular file",
+                 str(media / "bomb.png"): "over the 40000000-pixel limit",
+                 f"{encode.url}/health": "resolves to a non-public address"}
+        for room, (ref, words) in enumerate(cases.items()):
+            start = time.monotonic()
+            resp = requests.post(f"{encode.url}/encode", json={"rid": f"h{room}", "bootstrap_room": room,
+                                                               "images": [ref]}, timeout=30)
+            assert resp.status_code == 400 and words in resp.json()["error"], (ref, resp.text)
+            assert time.monotonic() - start < 5
+        nested = "[" * 100_000 + "]" * 100_000
+        for url in (f"{encode.url}/encode", f"{pair.language.url}/generate"):
+            resp = requests.post(url, data=nested, headers={"Content-Type": "application/json"}, timeout=30)
+            assert resp.status_code == 400 and resp.json()["error"] == "body must be a JSON object"
+        assert pair.request([str(media / "ok.png")])["match"]
+        assert_pools_free(pair)
+    finally:
+        pair.stop()
 
 
 def test_duplicate_rid_is_refused_while_the_first_is_in_flight(pair, images) -> None:
