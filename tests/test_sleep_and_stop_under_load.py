@@ -74,8 +74,7 @@ def test_an_encoder_falling_asleep_with_8_pairs_in_flight_leaves_no_language_roo
 def test_sigterm_under_load_ends_every_request_and_frees_the_ports(paths, side: str) -> None:
     pair = Pair(*FAST_HEARTBEAT)
     try:
-        with ThreadPoolExecutor(8) as pool:
-            futures = start_pairs(pair, paths, pool, 8, seed=21)
+        with ThreadPoolExecutor(9) as pool:  # a thread for each call: none waits for one
             # A request whose other half never comes: it is surely in flight at the signal.
             lonely = next(pair.rooms)
             idle = (pool.submit(requests.post, f"{pair.language.url}/generate", timeout=60, json={
@@ -83,6 +82,7 @@ def test_sigterm_under_load_ends_every_request_and_frees_the_ports(paths, side: 
                 "bootstrap_room": lonely}) if side == "language" else
                 pool.submit(requests.post, f"{pair.encode.url}/encode", timeout=60,
                             json={"rid": "encode-only", "bootstrap_room": lonely, "images": [paths[2]]}))
+            futures = start_pairs(pair, paths, pool, 8, seed=21)
             time.sleep(0.5)
             worker = pair.language if side == "language" else pair.encode
             signalled = time.monotonic()
