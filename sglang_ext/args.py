@@ -39,6 +39,8 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                             help=f"requests waiting for blocks (language side) or for memory and the encoder "
                                  f"(encode side); more get 503 with Retry-After at once, env "
                                  f"{ENV_NAMES['max_queued_requests']} (default %(default)s)")
+        parser.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                            help="encode side: http(s) images only from these host names (then no address check)")
     pool_bytes = BufferPool.bytes_for(d.num_blocks, d.block_size, d.hidden_size, d.dtype)
     g = parser.add_argument_group("embedding transfer")
     g.add_argument("--encoder", choices=["qwen", "fake"], default="qwen",
@@ -80,8 +82,6 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
     m.add_argument("--allowed-local-media-path", action="append", metavar="DIR",
                    help="local paths and file:// URIs are read only inside this directory (symlinks followed; "
                         "repeatable); without it, local files are refused")
-    m.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
-                   help="http(s) images only from these host names (then no address check)")
     m.add_argument("--allow-private-media-urls", action="store_true",
                    help="without --allowed-media-domains, also fetch URLs whose host resolves to loopback, "
                         "link-local or private addresses (refused by default)")

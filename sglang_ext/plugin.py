@@ -102,4 +102,5 @@ def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
     ours.tp_size = server_args.tp_size
     ours.log_level = server_args.log_level
     ours.max_queued_requests = server_args.max_queued_requests or ConnectorConfig.from_env().max_queued_requests
+    ours.allowed_media_domains = server_args.allowed_media_domains or None
     return ours

@@ -65,18 +65,21 @@ def test_our_modes_dispatch_with_the_flags_sglang_parsed(mode: str) -> None:
                 "--disaggregation-bootstrap-port", "31235", "--disaggregation-transfer-backend", "mooncake_tcp",
                 "--disaggregation-ib-device", "mlx5_0", "--tp-size", "1", "--log-level", "warning",
                 "--embedding-cache-buffer-size", "40", "--resume-timeout", "7", "--max-queued-requests", "12",
-                "--staging-bytes", "1000000", "--queue-timeout", "4.5")
+                "--staging-bytes", "1000000", "--queue-timeout", "4.5", "--allowed-media-domains", "img.example",
+                "--allowed-local-media-path", "/srv/a", "--allowed-local-media-path", "/srv/b")
     assert res.returncode == 0, res.stderr[-2000:]
     args = line(res.stdout, "WORKER")
     assert "SGLANG " not in res.stdout  # SGLang's own server never started
     assert {k: args[k] for k in (
         "disaggregation_mode", "model_path", "host", "port", "disaggregation_bootstrap_port",
         "disaggregation_ib_device", "tp_size", "log_level", "mooncake_protocol", "embedding_cache_buffer_size",
-        "resume_timeout", "max_queued_requests", "staging_bytes", "queue_timeout")} == {
+        "resume_timeout", "max_queued_requests", "staging_bytes", "queue_timeout", "allowed_media_domains",
+        "allowed_local_media_path")} == {
         "disaggregation_mode": mode, "model_path": "/models/qwen", "host": "127.0.0.2", "port": 31234,
         "disaggregation_bootstrap_port": 31235, "disaggregation_ib_device": "mlx5_0", "tp_size": 1,
         "log_level": "warning", "mooncake_protocol": "tcp", "embedding_cache_buffer_size": 40, "resume_timeout": 7.0,
-        "max_queued_requests": 12, "staging_bytes": 1000000, "queue_timeout": 4.5}
+        "max_queued_requests": 12, "staging_bytes": 1000000, "queue_timeout": 4.5,
+        "allowed_media_domains": ["img.example"], "allowed_local_media_path": ["/srv/a", "/srv/b"]}
 
 
 def test_unsupported_backend_in_our_modes_is_a_clear_error() -> None:
