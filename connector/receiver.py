@@ -711,14 +711,18 @@ class EmbeddingReceiverManager:
         with self._lock:  # rooms created meanwhile took the old route: they are in this list too
             rooms = [r for r in self._rooms.values() if r.bootstrap_addr == addr and not r.state.progress.terminal]
             self.encoders.peer(addr).incarnation = route.incarnation or incarnation
-            if old is not None:
-                self._registered.discard((old.rank_ip, old.rank_port))
-                self._push.drop(old.rank_ip, old.rank_port)
+            self._drop_rank(old)
             for receiver in rooms:
                 receiver._rebind(route)
         self.stats["peer_restarted"] += 1
         log.warning("encode peer %s restarted (rank now %s:%d); %d rooms asked again",
                     addr, route.rank_ip, route.rank_port, len(rooms))
+
+    def _drop_rank(self, route: RankRoute | None) -> None:
+        """Forget a rank that is no more (lock held): a new one at that address gets a fresh register."""
+        if route is not None:
+            self._registered.discard((route.rank_ip, route.rank_port))
+            self._push.drop(route.rank_ip, route.rank_port)
 
     def _declare_dead(self, addr: str, why: str, gone: bool) -> None:
         """Fail every unfinished room of the peer (lock held). A peer whose process is gone writes
@@ -729,10 +733,7 @@ class EmbeddingReceiverManager:
         peer = self.encoders.peer(addr)
         peer.misses, peer.incarnation, peer.dead = 0, None, why
         if gone:  # a restarted process has another rank: look it up again
-            route = self.encoders.forget_route(addr)
-            if route is not None:
-                self._registered.discard((route.rank_ip, route.rank_port))
-                self._push.drop(route.rank_ip, route.rank_port)
+            self._drop_rank(self.encoders.forget_route(addr))
         for receiver in [r for r in self._rooms.values() if r.bootstrap_addr == addr]:
             reason = f"{receiver.peer_name} is dead: {why}"
             if receiver.phase in _MAYBE_IN_FLIGHT and not gone:

@@ -186,7 +186,7 @@ class EmbeddingSenderManager:
 
     def staged_bytes_for(self, num_tokens: int) -> int:
         """Host memory an embedding of ``num_tokens`` takes while staged (what ``admit`` reserves)."""
-        return num_tokens * (self.pool.row_bytes + 4 + 12)
+        return num_tokens * (self.pool.row_bytes + 4 + 12)  # + an int32 fill id and three int32 M-RoPE positions
 
     def queue_stats(self) -> dict[str, int]:
         with self._lock:

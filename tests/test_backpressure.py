@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import requests
+from test_faults import wait_for
 from test_workers import Pair, assert_pools_free
 from transfer_large_image import make_image
 
@@ -65,13 +66,6 @@ def silent_port() -> Iterator[int]:
     server.close()
 
 
-def wait_for(check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def health(url: str) -> dict:
     return requests.get(f"{url}/health", timeout=10).json()
 
@@ -116,10 +110,9 @@ def abandoned(future: Future) -> None:
 
 
 def test_an_encoder_over_its_queue_bound_refuses_at_once_and_the_language_side_learns_why(image, calls) -> None:
-    pair = Pair(*FAKE, encode_args=("--max-queued-requests", "2"))
-    try:
+    with Pair(*FAKE, encode_args=("--max-queued-requests", "2")) as pair:
         waiting = [calls.submit(encode, pair, f"q{room}", room, [image]) for room in (1, 2)]  # no /generate yet
-        wait_for(lambda: health(pair.encode.url)["pending"] == 2, "two encodes waiting for their language peer")
+        wait_for(lambda: health(pair.encode.url)["pending"] == 2, 15, "two encodes waiting for their language peer")
         refused, seconds = timed(lambda: encode(pair, "q3", 3, [image]))
         assert_overloaded(refused, "2 encode requests are queued (limit 2)")
         assert seconds < 2
@@ -129,50 +122,44 @@ def test_an_encoder_over_its_queue_bound_refuses_at_once_and_the_language_side_l
         assert seconds < 5
         # A room a language worker already asked for is never refused for being one too many.
         asked = calls.submit(generate, pair, "q4", 4)
-        wait_for(lambda: health(pair.language.url)["transferring"] == 1, "room 4's init")
+        wait_for(lambda: health(pair.language.url)["transferring"] == 1, 15, "room 4's init")
         assert encode(pair, "q4", 4, [image]).status_code == 200 and asked.result().status_code == 200
         for room, call in zip((1, 2), waiting, strict=True):
             assert generate(pair, f"q{room}", room).status_code == 200 and call.result().status_code == 200
         assert_pools_free(pair)
-    finally:
-        pair.stop()
 
 
 def test_staging_memory_bounds_embeddings_nobody_asked_for_but_never_one_that_was(image, calls) -> None:
     # The encode pool holds one 1024x768 embedding (999 tokens, 8 blocks); 1 MiB of staging
     # holds less than one (7 MB). Room 1 borrows the pool, room 2 goes alone into the empty
     # budget, room 3 waits for it, for 1.5 s at most.
-    pair = Pair(*FAKE, encode_args=("--embedding-cache-buffer-size", "8", "--staging-bytes", str(1 << 20),
-                                    "--queue-timeout", "1.5"))
-    try:
+    with Pair(*FAKE, encode_args=("--embedding-cache-buffer-size", "8", "--staging-bytes", str(1 << 20),
+                                  "--queue-timeout", "1.5")) as pair:
         staged = [calls.submit(encode, pair, "s1", 1, [image])]
-        wait_for(lambda: health(pair.encode.url)["free_blocks"] == 0, "room 1 in the pool")
+        wait_for(lambda: health(pair.encode.url)["free_blocks"] == 0, 15, "room 1 in the pool")
         staged.append(calls.submit(encode, pair, "s2", 2, [image]))
-        wait_for(lambda: health(pair.encode.url)["staged_bytes"] > 0, "room 2 staged")
+        wait_for(lambda: health(pair.encode.url)["staged_bytes"] > 0, 15, "room 2 staged")
         refused, seconds = timed(lambda: encode(pair, "s3", 3, [image]))
         assert_overloaded(refused, "no host memory for the embedding within 1.5s")
         assert 1.4 < seconds < 5
         assert_overloaded(generate(pair, "s3", 3), "no host memory")
         # Room 4 is asked for first: it needs no staging, and room 1 gives its blocks back for it.
         asked = calls.submit(generate, pair, "s4", 4)
-        wait_for(lambda: health(pair.language.url)["transferring"] == 1, "room 4's init")
+        wait_for(lambda: health(pair.language.url)["transferring"] == 1, 15, "room 4's init")
         assert encode(pair, "s4", 4, [image], timeout=10).status_code == 200
         assert asked.result().status_code == 200
         for room, call in zip((1, 2), staged, strict=True):  # both still wait for their peer, then go
             assert generate(pair, f"s{room}", room).status_code == 200 and call.result().status_code == 200
         assert health(pair.encode.url)["staged_bytes"] == 0
         assert_pools_free(pair)
-    finally:
-        pair.stop()
 
 
 def test_the_language_queue_is_bounded_in_length_and_in_time(image, calls) -> None:
-    pair = Pair(*FAKE, language_args=(*ONE_ALLOCATION, "--max-queued-requests", "2", "--queue-timeout", "2"))
-    try:
+    with Pair(*FAKE, language_args=(*ONE_ALLOCATION, "--max-queued-requests", "2", "--queue-timeout", "2")) as pair:
         holder = calls.submit(generate, pair, "l1", 1)  # holds the whole pool, waiting for its encode
-        wait_for(lambda: health(pair.language.url)["transferring"] == 1, "room 1's init")
+        wait_for(lambda: health(pair.language.url)["transferring"] == 1, 15, "room 1's init")
         queued = [calls.submit(timed, lambda room=room: generate(pair, f"l{room}", room)) for room in (2, 3)]
-        wait_for(lambda: health(pair.language.url)["queued"] == 2, "two queued requests")
+        wait_for(lambda: health(pair.language.url)["queued"] == 2, 15, "two queued requests")
         refused, seconds = timed(lambda: generate(pair, "l4", 4))
         assert_overloaded(refused, "2 requests are queued (limit 2)")
         assert seconds < 2
@@ -186,36 +173,30 @@ def test_the_language_queue_is_bounded_in_length_and_in_time(image, calls) -> No
         assert encode(pair, "l1", 1, [image]).status_code == 200 and holder.result().status_code == 200
         assert not any("rid=l4 " in line for line in pair.encode.log), "the encoder worked for a refused room"
         assert_pools_free(pair)
-    finally:
-        pair.stop()
 
 
 def test_a_generate_client_that_goes_away_ends_the_rooms_encode(image, calls) -> None:
-    pair = Pair(*FAKE, language_args=ONE_ALLOCATION)
-    try:
+    with Pair(*FAKE, language_args=ONE_ALLOCATION) as pair:
         holder = calls.submit(generate, pair, "c1", 1)
-        wait_for(lambda: health(pair.language.url)["transferring"] == 1, "room 1's init")
+        wait_for(lambda: health(pair.language.url)["transferring"] == 1, 15, "room 1's init")
         encoding = calls.submit(timed, lambda: encode(pair, "c2", 2, [image]))
-        wait_for(lambda: health(pair.encode.url)["staged_bytes"] > 0, "room 2 staged")
+        wait_for(lambda: health(pair.encode.url)["staged_bytes"] > 0, 15, "room 2 staged")
         gone = calls.submit(generate, pair, "c2", 2, timeout=1.0)  # queued behind room 1; gives up after 1 s
         abandoned(gone)
         resp, seconds = encoding.result()
         assert resp.status_code == 502 and "aborted by language peer" in resp.json()["error"], resp.text
         assert seconds < 6
-        wait_for(lambda: health(pair.language.url)["queued"] == 0, "the cancelled request to leave the queue", 5)
+        wait_for(lambda: health(pair.language.url)["queued"] == 0, 5, "the cancelled request to leave the queue")
         assert metric(pair.language.url, "epd_cancelled_total", phase="queued") == 1
         assert health(pair.encode.url)["staged_bytes"] == 0
         assert encode(pair, "c1", 1, [image]).status_code == 200 and holder.result().status_code == 200
         assert_pools_free(pair)
-    finally:
-        pair.stop()
 
 
 def test_an_encode_client_that_goes_away_fails_the_room_for_its_language_peer(image, calls, silent_port) -> None:
-    pair = Pair(*FAKE)
-    try:
+    with Pair(*FAKE) as pair:
         waiting = calls.submit(timed, lambda: generate(pair, "e1", 1))
-        wait_for(lambda: health(pair.language.url)["transferring"] == 1, "room 1's init")
+        wait_for(lambda: health(pair.language.url)["transferring"] == 1, 15, "room 1's init")
         # Its image comes from a server that never answers; the client gives up after 1 s.
         abandoned(calls.submit(encode, pair, "e1", 1, [f"http://127.0.0.1:{silent_port}/slow.png"], timeout=1.0))
         resp, seconds = waiting.result()
@@ -230,16 +211,13 @@ def test_an_encode_client_that_goes_away_fails_the_room_for_its_language_peer(im
         assert seconds < 5
         assert pair.request([image])["match"]
         assert_pools_free(pair)
-    finally:
-        pair.stop()
 
 
 def test_abort_request_before_the_encode_arrives_means_no_work_for_the_room(image, calls) -> None:
-    pair = Pair(*FAKE)
-    try:
+    with Pair(*FAKE) as pair:
         assert pair.request([image])["match"]  # the encoder's route is known from here on
         waiting = calls.submit(generate, pair, "a1", 1)
-        wait_for(lambda: health(pair.language.url)["transferring"] == 1, "room 1's init")
+        wait_for(lambda: health(pair.language.url)["transferring"] == 1, 15, "room 1's init")
         reply = requests.post(f"{pair.language.url}/abort_request", json={"rid": "a1"}, timeout=10)
         assert reply.json() == {"rid": "a1", "aborted": True}
         resp = waiting.result()
@@ -251,15 +229,12 @@ def test_abort_request_before_the_encode_arrives_means_no_work_for_the_room(imag
         unknown = requests.post(f"{pair.language.url}/abort_request", json={"rid": "nobody"}, timeout=10)
         assert unknown.status_code == 200 and unknown.json()["aborted"] is False
         assert_pools_free(pair)
-    finally:
-        pair.stop()
 
 
 def test_a_peer_that_never_answers_its_route_lookup_holds_up_nobody_else(image, calls, silent_port) -> None:
-    pair = Pair(*FAKE)
-    try:
+    with Pair(*FAKE) as pair:
         stuck = calls.submit(generate, pair, "h1", 1, port=silent_port)
-        wait_for(lambda: health(pair.language.url)["resolving"] == 1, "the lookup under way")
+        wait_for(lambda: health(pair.language.url)["resolving"] == 1, 15, "the lookup under way")
         start = time.monotonic()
         assert pair.request([image])["match"]
         seconds = time.monotonic() - start
@@ -269,5 +244,3 @@ def test_a_peer_that_never_answers_its_route_lookup_holds_up_nobody_else(image, 
         assert resp.status_code == 502 and resp.json()["kind"] == "peer_unreachable", resp.text
         assert f"127.0.0.1:{silent_port}" in resp.json()["error"]
         assert_pools_free(pair)
-    finally:
-        pair.stop()

@@ -7,12 +7,12 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from bench_load import SIZES
 from test_workers import Pair, assert_pools_free
 from transfer_large_image import make_image, run_request
 
 pytestmark = pytest.mark.load
 
-SIZES = [(448, 448), (1000, 300), (1024, 768), (1920, 1080), (2048, 2048), (3840, 2160)]
 FOUR_K = (3840, 2160)
 
 

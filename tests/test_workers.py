@@ -57,6 +57,12 @@ class Pair:
         for worker in (self.language, self.encode):
             assert worker.stop() == 0, f"{worker.mode} worker did not shut down cleanly"
 
+    def __enter__(self) -> Pair:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
 
 def assert_pools_free(pair: Pair, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
