@@ -10,6 +10,12 @@ Routes and JSON bodies are the reference fork's, so fork peers can use ours:
   checkpointed``; header ``X-EPD-Incarnation`` changes when the worker process restarts
 
 Unknown ranks get 404 with a message (the fork answers 500).
+
+Who may register a route: this server's own encode worker adds its ranks in process
+(:meth:`BootstrapServer.put_route`). ``PUT /route`` over HTTP is refused (403) unless a shared
+secret is set, and then it needs it, as ``GET /route`` does (``Authorization: Bearer``, see
+:mod:`connector.auth`); otherwise anyone who reaches the port could point language workers,
+and the pool addresses they register, at another host. ``/health`` stays open.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from dataclasses import dataclass, field
 import requests
 from aiohttp import web
 
+from connector.auth import bearer, check_bearer
+
 log = logging.getLogger(__name__)
 
 
@@ -36,6 +44,12 @@ class RankRoute:
     rank_port: int
     incarnation: str | None = field(default=None, compare=False)  # our encoders' header; fork peers send none
 
+    @property
+    def extended(self) -> bool:
+        """An encoder of ours (it sent the incarnation header): it takes our extension messages
+        (abort, suspend, pong); one built from the reference fork gets none of them."""
+        return self.incarnation is not None
+
 
 class BootstrapServer:
     """aiohttp server in a daemon thread with its own event loop.
@@ -44,8 +58,9 @@ class BootstrapServer:
     worker can report "sleeping" there while staying alive).
     """
 
-    def __init__(self, host: str, port: int, health_status: Callable[[], str] = lambda: "OK") -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, health_status: Callable[[], str] = lambda: "OK",
+                 secret: bytes = b"") -> None:
+        self.host, self.port, self._secret = host, port, secret
         self._health_status = health_status
         self.incarnation = uuid.uuid4().hex  # tells a restarted worker from the one before it
         self._sizes: tuple[int, int] | None = None  # (tp_size, dp_size), fixed by the first PUT
@@ -102,7 +117,12 @@ class BootstrapServer:
         return web.Response(text=self._health_status(), headers={INCARNATION_HEADER: self.incarnation})
 
     async def _route(self, request: web.Request) -> web.Response:
+        if not check_bearer(request.headers.get("Authorization"), self._secret):
+            return web.Response(status=401, text="/route needs the shared secret (Authorization: Bearer)")
         if request.method == "PUT":
+            if not self._secret:
+                return web.Response(status=403, text="routes are registered by this server's own encode worker; "
+                                                     "over HTTP only with a shared secret (--control-secret)")
             try:
                 body = await request.json()
                 if body.get("role") != "Encode":
@@ -132,18 +152,21 @@ class BootstrapServer:
                                  headers={INCARNATION_HEADER: self.incarnation})
 
 
-def fetch_route(bootstrap_addr: str, room: int, engine_rank: int = 0, timeout: float = 5.0) -> RankRoute:
+def fetch_route(bootstrap_addr: str, room: int, engine_rank: int = 0, timeout: float = 5.0,
+                secret: bytes = b"") -> RankRoute:
     """Find the encode rank serving ``room`` (dp group ``room % dp_size``)."""
     base = bootstrap_addr if bootstrap_addr.startswith("http") else f"http://{bootstrap_addr}"
+    headers = bearer(secret)
     try:
-        sizes = requests.get(f"{base}/route", params={"engine_rank": -1, "target_dp_group": -1}, timeout=timeout)
+        sizes = requests.get(f"{base}/route", params={"engine_rank": -1, "target_dp_group": -1}, timeout=timeout,
+                             headers=headers)
         sizes.raise_for_status()
         info = sizes.json()
         if info.get("embedding_dp_size") is None:
             raise ConnectionError(f"encode bootstrap {bootstrap_addr} has no registered rank yet")
         dp_group = room % int(info["embedding_dp_size"])
         resp = requests.get(f"{base}/route", params={"engine_rank": engine_rank, "target_dp_group": dp_group},
-                            timeout=timeout)
+                            timeout=timeout, headers=headers)
         resp.raise_for_status()
         body = resp.json()
         return RankRoute(str(body["rank_ip"]), int(body["rank_port"]), resp.headers.get(INCARNATION_HEADER))

@@ -42,6 +42,16 @@ def exists(folder: str | Path, role: str) -> bool:
     return any(p.exists() for p in _paths(Path(folder), role))
 
 
+def peek(folder: str | Path, role: str, key: str) -> object:
+    """One field of a checkpoint's JSON, unverified (None when missing or unreadable): for a hint
+    a worker needs before it loads the checkpoint, never for its data."""
+    try:
+        meta = json.loads(_paths(Path(folder), role)[0].read_bytes())
+        return meta.get(key) if isinstance(meta, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
 def save(folder: str | Path, role: str, meta: dict, tensors: dict[str, np.ndarray]) -> int:
     """Write a checkpoint; returns its size in bytes."""
     folder = Path(folder)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from connector.buffers import DTYPE_SIZES, BufferPool
 
@@ -23,7 +23,10 @@ ENV_NAMES = {
     "staging_bytes": "SGLANG_EMBEDDING_STAGING_BYTES",
     "max_queued_requests": "SGLANG_EMBEDDING_MAX_QUEUED_REQUESTS",
     "queue_timeout": "SGLANG_EMBEDDING_QUEUE_TIMEOUT",
+    "fork_abort_hold": "SGLANG_EMBEDDING_FORK_ABORT_HOLD",
+    "control_secret": "SGLANG_EMBEDDING_CONTROL_SECRET",
 }
+MIN_SECRET_CHARS = 16
 
 
 @dataclass
@@ -52,6 +55,13 @@ class ConnectorConfig:
     staging_bytes: int = 4 << 30
     max_queued_requests: int = 256
     queue_timeout: float = 60.0
+    # Language side: an aborted room of an encoder built from the reference fork, which cannot
+    # be told to stop, keeps its blocks until that encoder's status for the round comes (after
+    # it nothing more is written) or this long: the fork's own bootstrap timeout bounds how
+    # long its encode request, the only thing that writes, can live.
+    fork_abort_hold: float = 300.0
+    # Shared secret for control messages and bootstrap routes (connector.auth); "" = off.
+    control_secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -64,9 +74,14 @@ class ConnectorConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("bootstrap_timeout", "waiting_timeout", "resume_timeout", "heartbeat_interval",
-                     "abort_ack_timeout", "max_sleep", "queue_timeout"):
+                     "abort_ack_timeout", "max_sleep", "queue_timeout", "fork_abort_hold"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        secret = self.control_secret
+        if secret and (len(secret) < MIN_SECRET_CHARS or not secret.isascii() or not secret.isprintable()
+                       or " " in secret):
+            raise ValueError(f"control secret must be at least {MIN_SECRET_CHARS} printable ASCII characters "
+                             "without blanks")
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
 
@@ -80,6 +95,10 @@ class ConnectorConfig:
         return self.blocks_for(self.default_allocate_tokens)
 
     @property
+    def secret(self) -> bytes:
+        return self.control_secret.encode()
+
+    @property
     def pool_bytes(self) -> int:
         return BufferPool.bytes_for(self.num_blocks, self.block_size, self.hidden_size, self.dtype)
 
@@ -87,11 +106,11 @@ class ConnectorConfig:
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> ConnectorConfig:
         """Defaults, then the environment names in ``ENV_NAMES``, then ``overrides``."""
         env = os.environ if environ is None else environ
-        types = {f.name: f.type for f in fields(cls)}
+        types = {f.name: str(f.type) for f in fields(cls)}
         values: dict[str, object] = {}
         for name, var in ENV_NAMES.items():
             if var in env:
-                cast = int if types[name] in (int, "int") else float
+                cast = {"int": int, "float": float, "str": str}[types[name]]  # annotations are strings
                 try:
                     values[name] = cast(env[var])
                 except ValueError:

@@ -51,8 +51,8 @@ class EncoderPeer:
 class EncoderPeers:
     """Per-peer state and the calls that reach peers. Thread-safe (own lock)."""
 
-    def __init__(self, interval: float, workers: int = 8) -> None:
-        self.interval = interval
+    def __init__(self, interval: float, secret: bytes = b"", workers: int = 8) -> None:
+        self.interval, self._secret = interval, secret
         self._lock = threading.Lock()
         self._peers: dict[str, EncoderPeer] = {}
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="encoder-peers")
@@ -77,7 +77,7 @@ class EncoderPeers:
 
     def _look_up(self, peer: EncoderPeer, room: int) -> RankRoute:
         try:
-            route = fetch_route(peer.addr, room, timeout=self.interval)
+            route = fetch_route(peer.addr, room, timeout=self.interval, secret=self._secret)
         except BaseException:
             with self._lock:
                 peer.lookup = None

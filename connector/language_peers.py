@@ -15,13 +15,22 @@ honest about being alive:
 
 Peers built from the reference fork get none of this (they do not parse a ping): their rooms
 end by the bootstrap and resume timeouts, as in the fork.
+
+Registration belongs to its owner. A register that names an endpoint another session already
+registered is added beside it, never in its place; the endpoint is pinged (ping numbers are
+unguessable), and the session that answers from there is the one living at that endpoint:
+every other session registered there is dropped (a restarted or woken worker's old session, or
+an impostor's). A register that moves a session to another endpoint while that session has
+live rooms is refused (the same endpoint may register a new pool: a woken worker does).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from connector.messages import PingMsg, PongMsg, RegisterMsg
@@ -63,6 +72,9 @@ class StallWatch:
         self._thread.join(timeout=1)
 
 
+MAX_PEERS = 4096  # registered sessions; beyond it the oldest idle one is forgotten
+
+
 @dataclass
 class LanguagePeer:
     """A language session that sent ``register`` (keyed by its Mooncake session id)."""
@@ -72,15 +84,32 @@ class LanguagePeer:
     base_ptrs: tuple[int, ...]
     generation: int | None
     num_blocks: int | None  # set when its register carried our extension frames
+    item_lens: tuple[int, ...] | None
     mismatch: str  # why its pool cannot receive from ours; empty when compatible
     confirmed_epoch: int = -1  # stall epoch in which it last answered a ping
     pings: dict[int, int] = field(default_factory=dict)  # unanswered ping seq -> stall epoch when sent
     misses: int = 0  # heartbeat intervals in a row that ended with a ping unanswered
+    order: int = 0  # registers seen before this one
 
     @property
     def extended(self) -> bool:
         """It registered with our extension frames: it parses statuses with reasons, pings, acks."""
         return self.num_blocks is not None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.endpoint, self.port
+
+    def same_pool(self, other: LanguagePeer) -> bool:
+        return (self.address, self.base_ptrs, self.num_blocks, self.item_lens) == (
+            other.address, other.base_ptrs, other.num_blocks, other.item_lens)
+
+
+@dataclass
+class PongOutcome:
+    confirmed: bool  # the answering session may be written now
+    dropped: list[tuple[str, LanguagePeer]]  # sessions that no longer live at the answering endpoint
+    answering: LanguagePeer | None
 
 
 class LanguagePeers:
@@ -93,27 +122,62 @@ class LanguagePeers:
         self.stall = StallWatch(threshold=max(1.0, interval / 2))
         self._peers: dict[str, LanguagePeer] = {}
         self._seq = 0
+        self._registers = 0
 
     def get(self, session: str) -> LanguagePeer | None:
         return self._peers.get(session)
 
-    def register(self, msg: RegisterMsg, mismatch: str) -> list[str]:
-        """Record a register; returns the sessions it replaces (the same endpoint restarted)."""
-        replaced = [s for s, p in self._peers.items() if (p.endpoint, p.port) == (msg.endpoint, msg.dst_port)
-                    and s != msg.session_id]
-        for session in replaced:
-            del self._peers[session]
+    def speaks_ours_at(self, host: str, port: int) -> bool:
+        """Whether the process at ``host:port`` parses our extension frames: something registered
+        there, all of it with our extension frames (a fork peer there must get nothing else, even
+        when a stranger registered that address as ours)."""
+        at = [p for p in self._peers.values() if p.address == (host, port)]
+        return bool(at) and all(p.extended for p in at)
+
+    def speaks_ours(self, session: str) -> bool:
+        peer = self._peers.get(session)
+        return peer is not None and self.speaks_ours_at(*peer.address)
+
+    def registered_at(self, host: str, port: int) -> bool:
+        return any(p.address == (host, port) for p in self._peers.values())
+
+    def register(self, msg: RegisterMsg, mismatch: str, busy: Callable[[], set[str]]) -> str:
+        """Record a register; returns why it was refused ("" when it was taken). ``busy`` gives
+        the sessions that have live rooms."""
+        self._registers += 1
+        new = LanguagePeer(msg.endpoint, msg.dst_port, msg.base_ptrs, msg.generation, msg.num_blocks,
+                           msg.item_lens, mismatch, order=self._registers)
+        old = self._peers.get(msg.session_id)
+        if old is not None and old.same_pool(new):
+            self._peers[msg.session_id] = self._peers.pop(msg.session_id)  # a repeat: the newest, for eviction
+            return ""
+        if old is not None and None not in (old.generation, new.generation) and new.generation < old.generation:
+            return (f"session {msg.session_id} registered with generation {new.generation}, older than its "
+                    f"{old.generation} (a replayed register?)")
+        if old is not None and old.address != new.address and msg.session_id in busy():
+            return (f"session {msg.session_id} registered again from {msg.endpoint}:{msg.dst_port} while it has "
+                    f"live rooms at {old.endpoint}:{old.port}")
+        if old is None and len(self._peers) >= MAX_PEERS:
+            in_use = busy()  # the oldest idle session goes: one a repeated register kept young stays
+            idle = next((s for s in self._peers if s not in in_use), None)
+            if idle is None:
+                return f"{len(self._peers)} sessions registered, all with live rooms"
+            del self._peers[idle]
         # Not confirmed yet (confirmed_epoch -1): a register handled after a stall may be stale, so
         # the first write waits for one ping round trip.
-        self._peers[msg.session_id] = LanguagePeer(msg.endpoint, msg.dst_port, msg.base_ptrs, msg.generation,
-                                                   msg.num_blocks, mismatch)
-        return replaced
+        self._peers.pop(msg.session_id, None)
+        self._peers[msg.session_id] = new
+        sharing = [(s, p) for s, p in self._peers.items() if p.address == new.address]
+        if len(sharing) > 1 and self.speaks_ours_at(*new.address):  # who answers from there lives there
+            for session, peer in sharing:
+                self._ping(session, peer, self.stall.epoch())
+        return ""
 
     def may_write(self, session: str) -> bool:
         """A write to ``session`` may start now; if not, a ping is on its way and :meth:`on_pong`
         says when it may."""
         peer = self._peers.get(session)
-        if peer is None or not peer.extended:
+        if peer is None or not self.speaks_ours(session):
             return True  # fork peers are never pinged; an unknown session fails in the write, by name
         epoch = self.stall.epoch()
         if peer.confirmed_epoch == epoch:
@@ -122,16 +186,21 @@ class LanguagePeers:
             self._ping(session, peer, epoch)
         return False
 
-    def on_pong(self, msg: PongMsg) -> bool:
-        """Handle an answer; True when it confirmed its session for the current epoch."""
-        peer = self._peers.get(msg.session_id)
-        if peer is None or msg.seq not in peer.pings:
-            return False
-        epoch = peer.pings.pop(msg.seq)
-        peer.pings = {seq: e for seq, e in peer.pings.items() if seq > msg.seq}  # older ones are answered too
-        peer.misses = 0
-        peer.confirmed_epoch = max(peer.confirmed_epoch, epoch)
-        return peer.confirmed_epoch == self.stall.epoch()
+    def on_pong(self, msg: PongMsg) -> PongOutcome | None:
+        """Handle an answer (None: it answers no ping we sent, or comes from elsewhere). The
+        answering session lives at the endpoint that was pinged: other sessions there are dropped."""
+        pinged = next((p for p in self._peers.values() if msg.seq in p.pings), None)
+        answering = self._peers.get(msg.session_id)
+        if pinged is None or answering is None or answering.address != pinged.address:
+            return None
+        epoch = pinged.pings.pop(msg.seq)
+        dropped = [(s, p) for s, p in self._peers.items() if p.address == answering.address and p is not answering]
+        for session, _ in dropped:
+            del self._peers[session]
+        answering.pings = {seq: e for seq, e in answering.pings.items() if seq > msg.seq}  # older ones are answered too
+        answering.misses = 0
+        answering.confirmed_epoch = max(answering.confirmed_epoch, epoch)
+        return PongOutcome(answering.confirmed_epoch == self.stall.epoch(), dropped, answering)
 
     def beat(self, live_sessions: set[str]) -> list[tuple[str, str]]:
         """One heartbeat interval: count misses, ping again; returns ``(session, why)`` of the
@@ -140,7 +209,7 @@ class LanguagePeers:
         epoch = self.stall.epoch()
         for session in live_sessions:
             peer = self._peers.get(session)
-            if peer is None or not peer.extended:
+            if peer is None or not self.speaks_ours(session):
                 continue
             if any(e == epoch for e in peer.pings.values()):  # a ping of this epoch is still unanswered
                 peer.misses += 1
@@ -152,9 +221,12 @@ class LanguagePeers:
         return dead
 
     def _ping(self, session: str, peer: LanguagePeer, epoch: int) -> None:
+        # Increasing (the high bits count) and unguessable (the low bits are random): a pong
+        # proves its sender got this ping.
         self._seq += 1
-        peer.pings[self._seq] = epoch
-        self._push.try_send(peer.endpoint, peer.port, PingMsg(self._host, self._rank_port, self._seq).encode())
+        seq = (self._seq << 32) | secrets.randbits(32)
+        peer.pings[seq] = epoch
+        self._push.try_send(peer.endpoint, peer.port, PingMsg(self._host, self._rank_port, seq).encode())
 
     def close(self) -> None:
         self.stall.close()

@@ -16,7 +16,8 @@ Language -> encoder (the encoder's PULL socket):
 Encoder -> language (the language side's PULL socket):
 
 * status ``[room, status]`` plus our optional ``sent_tokens`` (after the round), ``reason`` and
-  ``total_tokens``. With ``total_tokens`` (status ``WaitingForInput``, sent only to peers
+  ``total_tokens``; peers whose register had no extension frames (the reference fork's) get
+  the two frames only, and no other message of ours. With ``total_tokens`` (status ``WaitingForInput``, sent only to peers
   whose register carried our extension frames) the encoder announces, as a first round that
   cannot hold everything starts, how many tokens there are: the language side may then send
   its resume early, and the encoder starts the next round as soon as the current one ends;
@@ -147,9 +148,11 @@ class StatusMsg:
     reason: str = ""
     total_tokens: int | None = None
 
-    def encode(self) -> list[bytes]:
+    def encode(self, extended: bool = True) -> list[bytes]:
+        """Our frames, or (``extended=False``, for a peer that registered as the reference fork
+        does) exactly the fork's two: its receiving thread dies on a third."""
         frames = [str(self.room).encode(), str(int(self.status)).encode()]
-        if self.sent_tokens is not None:
+        if extended and self.sent_tokens is not None:
             frames.append(str(self.sent_tokens).encode())
             if self.reason or self.total_tokens is not None:
                 frames.append(self.reason.encode("utf-8", "replace")[:4096])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from connector.failures import FailureKind
 
@@ -13,11 +14,13 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 class WorkerMetrics:
     def __init__(self, role: str, pool_blocks: Callable[[], tuple[int, int]],
-                 queues: Callable[[], dict[str, int]]) -> None:
+                 queues: Callable[[], dict[str, int]], rejected: Callable[[], dict[str, int]]) -> None:
         """``pool_blocks`` returns ``(free, total)``; ``(0, 0)`` while the pool is released.
-        ``queues`` returns the current length of each of the worker's queues, by name."""
+        ``queues`` returns the current length of each of the worker's queues, by name;
+        ``rejected`` the control messages rejected so far, by reason."""
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(_RejectedMessages(role, rejected))
         self.requests = Counter("epd_requests", "Requests finished, by outcome", ["role", "outcome"], registry=r)
         self.cancellations = Counter("epd_cancelled", "Requests cancelled by their client, by phase",
                                      ["role", "phase"], registry=r)
@@ -71,3 +74,17 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _RejectedMessages:
+    """``epd_rejected_messages_total{role, reason}``, read from the connector's own counts."""
+
+    def __init__(self, role: str, counts: Callable[[], dict[str, int]]) -> None:
+        self._role, self._counts = role, counts
+
+    def collect(self):
+        family = CounterMetricFamily("epd_rejected_messages", "Control messages rejected, by reason",
+                                     labels=["role", "reason"])
+        for reason, count in sorted(self._counts().items()):
+            family.add_metric([self._role, reason], count)
+        yield family

@@ -11,6 +11,12 @@ They come back to the allocator when the embedding is assembled or checkpointed,
 room failed and no peer can still write into them: a ``Failed`` status from the encoder (it
 sends one only with nothing in flight), its ``ABORT_ACK``, a peer whose process is gone
 (connection refused), or the ack timeout.
+
+An encoder built from the reference fork (its bootstrap sends no incarnation header) gets no
+message of ours beyond register, init and resume: no abort, no suspend. It cannot be told to
+stop, but it writes a round only when asked and reports every round with a status, so an
+aborted room's blocks wait for the status of the round it owes (or ``fork_abort_hold``), and
+a suspend waits for that status in place of the ack.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from connector.messages import (
     decode_language_bound,
 )
 from connector.poll import KVPoll, RoomState
+from connector.rejections import Rejections
 from connector.transport import Transport
 from connector.zmq_link import PullLoop, PushSockets
 
@@ -83,6 +90,8 @@ TRANSITIONS: dict[ReceiverPhase, frozenset[ReceiverPhase]] = {
 }
 # Phases in which the encoder may be writing into the room's blocks.
 _MAYBE_IN_FLIGHT = frozenset({R.WAITING, R.EARLY, R.PARTIAL, R.SUSPENDING})
+# The same for a fork encoder, which writes only the round asked for and reports it.
+_FORK_OWES_A_ROUND = frozenset({R.WAITING, R.SUSPENDING})
 
 
 @dataclass
@@ -148,7 +157,7 @@ class EmbeddingReceiver:
             self._round_end = len(block_ids) * m.config.block_size
             self.state.advance(KVPoll.WaitingForInput)
             self._move(R.WAITING)
-        m._send(self, self._round_frames(block_ids, None))
+        m._send(self, self._round_frames(block_ids, None), register=True)
 
     def poll(self) -> KVPoll:
         return self.state.status
@@ -238,24 +247,33 @@ class EmbeddingReceiver:
         with m._lock:
             if self.phase in (R.CLOSED, R.ABORTING) or not self.state.fail(kind, reason):
                 return
-            if self.phase in _MAYBE_IN_FLIGHT:
+            extended = self.route.extended
+            if self.phase in (_MAYBE_IN_FLIGHT if extended else _FORK_OWES_A_ROUND):
                 self._move(R.ABORTING)
                 self._aborted_at = time.monotonic()
                 self._notify()
             else:
                 self._close()
+        if extended:
             m._send(self, AbortMsg(self.room, m.config.host, m.rank_port, m.generation).encode())
 
     def suspend(self) -> None:
-        """Ask the encoder to write nothing more for this room (sleep); its ack ends SUSPENDING."""
+        """Ask the encoder to write nothing more for this room (sleep); its ack ends SUSPENDING.
+        A fork encoder is not asked: the status of the round it owes ends SUSPENDING."""
         with self._m._lock:
             if self.phase == R.RESTORED:  # the encoder still holds it suspended: nothing to ask
                 self._move(R.SUSPENDED)
                 return
             if self.phase not in (R.WAITING, R.EARLY, R.PARTIAL):
                 return
+            owes_a_round = self.phase == R.WAITING
             self._move(R.SUSPENDING)
             m = self._m
+            if not self.route.extended:
+                if not owes_a_round:
+                    self._move(R.SUSPENDED)
+                    self._notify()
+                return
         m._send(self, SuspendMsg(self.room, m.config.host, m.rank_port, m.generation).encode())
 
     def checkpoint(self) -> ReceiverCheckpoint:
@@ -364,6 +382,10 @@ class EmbeddingReceiver:
                 self.state.fail(kind, f"{self.peer_name} failed the room: {text}")
             self._close()
             return
+        if self.phase == R.ABORTING and not self.route.extended:  # the fork's last write landed
+            self._m.stats["fork_abort_settled"] += 1
+            self._close()
+            return
         if self.phase not in (R.WAITING, R.EARLY, R.SUSPENDING):
             return  # aborting, or a status that is late for its round
         if msg.total_tokens is not None:
@@ -399,6 +421,8 @@ class EmbeddingReceiver:
                 self.state.advance(KVPoll.Transferring, self.state.progress.sent_tokens)
                 if self.phase != R.SUSPENDING:
                     self._move(R.PARTIAL)
+                elif not self.route.extended:  # the fork's round landed: nothing is in flight
+                    self._move(R.SUSPENDED)
         self._last_progress = time.monotonic()
         self._notify()
 
@@ -425,23 +449,28 @@ class EmbeddingReceiver:
 class EmbeddingReceiverManager:
     def __init__(self, config: ConnectorConfig, transport: Transport, pool: BufferPool,
                  allocator: BlockAllocator, generation: int | None = None,
-                 on_change: Callable[[], None] = lambda: None) -> None:
-        """``on_change`` is called (cheaply, under the manager lock) whenever a room's status changes."""
+                 on_change: Callable[[], None] = lambda: None, rank_port: int = 0) -> None:
+        """``on_change`` is called (cheaply, under the manager lock) whenever a room's status changes.
+        ``rank_port``: listen there for statuses (a restart continuing rooms its encoders know by
+        that endpoint), or on a random port (0, or when it is taken)."""
         if pool.block_size != config.block_size or pool.hidden_size != config.hidden_size:
             raise ValueError("pool geometry does not match the connector config")
         self.config, self.transport, self.pool, self.allocator = config, transport, pool, allocator
         self.on_change = on_change
         self.generation = generation if generation is not None else time.time_ns() & (2**63 - 1)
         self.stats: collections.Counter[str] = collections.Counter()
+        self.rejections = Rejections(log)
         self._lock = threading.RLock()
         self._rooms: dict[int, EmbeddingReceiver] = {}
         self._registered: set[tuple[str, int]] = set()  # encode ranks that have our register
-        self.encoders = EncoderPeers(config.heartbeat_interval)
+        self._ranks: set[tuple[str, int]] = set()  # every encode rank we sent to: the only ones a pong goes to
+        self.encoders = EncoderPeers(config.heartbeat_interval, config.secret)
         self._any_change = threading.Condition(self._lock)
         transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
         self._context = zmq.Context()
-        self._push = PushSockets(self._context)
-        self._pull = PullLoop(self._context, config.host, self._on_message, "language-connector-pull")
+        self._push = PushSockets(self._context, config.secret)
+        self._pull = PullLoop(self._context, config.host, self._on_message, "language-connector-pull",
+                              self.rejections, config.secret, rank_port)
         self.rank_port = self._pull.port
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="language-peer-watch", daemon=True)
@@ -473,14 +502,21 @@ class EmbeddingReceiverManager:
         answer: no block is involved."""
         frames = AbortMsg(room, self.config.host, self.rank_port, self.generation).encode()
         if route is not None:
-            self._send_to(route, frames)
+            if route.extended:  # a fork encoder takes no abort; its encode request times out there
+                self._send_to(route, frames)
         else:
             self.resolve(bootstrap_addr, room).add_done_callback(
-                lambda found: found.exception() or self._send_to(found.result(), frames))
+                lambda found: found.exception() or not found.result().extended or self._send_to(found.result(), frames))
 
     def active_rooms(self) -> int:
         with self._lock:
             return len(self._rooms)
+
+    def fork_rounds_owed(self) -> list[int]:
+        """Rooms a reference-fork encoder may still write into (a sleep must wait for them)."""
+        with self._lock:
+            return [r.room for r in self._rooms.values() if not r.route.extended and r.phase in _FORK_OWES_A_ROUND | {
+                R.ABORTING}]
 
     # ---- sleep ------------------------------------------------------------------------------
 
@@ -563,21 +599,24 @@ class EmbeddingReceiverManager:
         return RegisterMsg(self.config.host, self.rank_port, self.transport.session_id, self.pool.base_ptrs,
                            self.generation, self.pool.num_blocks, self.pool.item_lens)
 
-    def _send(self, receiver: EmbeddingReceiver, frames: list[bytes]) -> None:
-        if not self._send_to(receiver.route, frames):
+    def _send(self, receiver: EmbeddingReceiver, frames: list[bytes], register: bool = False) -> None:
+        if not self._send_to(receiver.route, frames, register):
             with self._lock:  # the encoder never got it; an aborting room still waits for its ack
                 if receiver.phase not in (R.CLOSED, R.ABORTING):
                     receiver.state.fail(FailureKind.PEER_UNREACHABLE, f"cannot reach {receiver.peer_name}")
                     receiver._close()
 
-    def _send_to(self, route: RankRoute, frames: list[bytes]) -> bool:
-        """Send to an encode rank, registering with it first; False when it cannot take messages."""
+    def _send_to(self, route: RankRoute, frames: list[bytes], register: bool = False) -> bool:
+        """Send to an encode rank, registering with it first (the first time, or always with
+        ``register``: an init re-registers, which mends a registration a stranger replaced while
+        we had no rooms there); False when it cannot take messages."""
         key = (route.rank_ip, route.rank_port)
         try:
             with self._lock:
-                if key not in self._registered:
+                if register or key not in self._registered:
                     self._push.send(route.rank_ip, route.rank_port, self._register_msg().encode())
                     self._registered.add(key)
+                    self._ranks.add(key)
             self._push.send(route.rank_ip, route.rank_port, frames)
             return True
         except zmq.ZMQError as exc:
@@ -594,17 +633,20 @@ class EmbeddingReceiverManager:
         try:
             msg = decode_language_bound(frames)
         except ProtocolError as exc:
-            self.stats["bad_message"] += 1
-            log.warning("dropping malformed status message: %s", exc)
+            self.rejections.reject("malformed", str(exc))
             return
         if isinstance(msg, PingMsg):  # on the socket our other messages to that rank use: ordered after them
-            self._push.try_send(msg.endpoint, msg.port, PongMsg(self.transport.session_id, msg.seq).encode())
+            with self._lock:
+                known = (msg.endpoint, msg.port) in self._ranks
+            if known:  # never to an address a stranger names (it may be a fork encoder, or no one)
+                self._push.try_send(msg.endpoint, msg.port, PongMsg(self.transport.session_id, msg.seq).encode())
+            else:
+                self.rejections.reject("not_owner", f"ping from {msg.endpoint}:{msg.port}, no encode rank of ours")
             return
         with self._lock:
             receiver = self._rooms.get(msg.room)
-            if receiver is None:
-                self.stats["unknown_room"] += 1
-                log.debug("message for unknown room %d dropped", msg.room)
+            if receiver is None:  # usually a late status of a room that ended
+                self.rejections.reject("unknown_room", f"message for room {msg.room}", logging.DEBUG)
                 return
             if isinstance(msg, SuspendAckMsg):
                 if msg.generation == self.generation and receiver.phase == R.SUSPENDING:
@@ -641,9 +683,10 @@ class EmbeddingReceiverManager:
             for receiver in list(self._rooms.values()):
                 peer = self.encoders.peer(receiver.bootstrap_addr)
                 if receiver.phase == R.ABORTING:
-                    if now - receiver._aborted_at > self.config.abort_ack_timeout:
-                        log.warning("room %d: no ABORT_ACK from %s within %gs; its blocks are freed",
-                                    receiver.room, receiver.peer_name, self.config.abort_ack_timeout)
+                    hold = self.config.abort_ack_timeout if receiver.route.extended else self.config.fork_abort_hold
+                    if now - receiver._aborted_at > hold:
+                        log.warning("room %d: no %s from %s within %gs; its blocks are freed", receiver.room,
+                                    "ABORT_ACK" if receiver.route.extended else "status", receiver.peer_name, hold)
                         receiver._close()
                 elif peer.asleep_since is not None:
                     if now - peer.asleep_since > self.config.max_sleep:

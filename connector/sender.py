@@ -48,8 +48,9 @@ from connector.messages import (
     decode_encoder_bound,
 )
 from connector.poll import KVPoll
+from connector.rejections import Rejections
 from connector.sender_rooms import Destination, SenderPhase, SenderRoom, Write
-from connector.staging import StagingBudget
+from connector.staging import ByteBudget
 from connector.transport import TransferError, Transport
 from connector.write_workers import WriteWorkers
 from connector.zmq_link import PullLoop, PushSockets
@@ -130,7 +131,8 @@ class EmbeddingSenderManager:
             raise ValueError("pool geometry does not match the connector config")
         self.config, self.transport, self.pool, self.allocator = config, transport, pool, allocator
         self.stats: collections.Counter[str] = collections.Counter()
-        self.staging = StagingBudget(config.staging_bytes)
+        self.rejections = Rejections(log)
+        self.staging = ByteBudget(config.staging_bytes)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # a write settled or data moved
         self._rooms: dict[int, SenderRoom] = {}
@@ -140,8 +142,9 @@ class EmbeddingSenderManager:
         self._stop = threading.Event()
         transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
         self._context = zmq.Context()
-        self._push = PushSockets(self._context)
-        self._pull = PullLoop(self._context, config.host, self._on_message, "encode-connector-pull")
+        self._push = PushSockets(self._context, config.secret)
+        self._pull = PullLoop(self._context, config.host, self._on_message, "encode-connector-pull", self.rejections,
+                              config.secret)
         self.rank_port = self._pull.port
         self.peers = LanguagePeers(self._push, config.host, self.rank_port, config.heartbeat_interval,
                                    config.heartbeat_max_failures)
@@ -334,8 +337,7 @@ class EmbeddingSenderManager:
     def _announce_total(self, r: SenderRoom, d: Destination) -> None:
         """Tell one of our own language peers the total as an oversized first round starts, so it
         can allocate and resume while this round is written (fork peers never get this frame)."""
-        peer = self.peers.get(d.session_id)
-        if peer is not None and peer.extended:
+        if self.peers.speaks_ours(d.session_id):
             self._push.try_send(d.endpoint, d.port, StatusMsg(r.room, KVPoll.WaitingForInput, 0, "",
                                                               r.total_tokens).encode())
 
@@ -362,10 +364,21 @@ class EmbeddingSenderManager:
 
     def _tell_failed(self, r: SenderRoom | None, host: str, port: int, msg: StatusMsg) -> None:
         """Send a Failed status now, or once the room's writes have landed (see held_failures)."""
+        frames = self._status_frames(host, port, msg)
         if r is not None and r.in_flight:
-            r.held_failures.append((host, port, msg))
+            r.held_failures.append((host, port, frames))
         else:
-            self._push.try_send(host, port, msg.encode())
+            self._push.try_send(host, port, frames)
+
+    def _status_frames(self, host: str, port: int, msg: StatusMsg) -> list[bytes]:
+        """Our status frames for our peers; the fork's two for any other (unknown ones included)."""
+        return msg.encode(extended=self.peers.speaks_ours_at(host, port))
+
+    def _send_ack(self, host: str, port: int, frames: list[bytes]) -> None:
+        """An abort or suspend ack: only to a peer that speaks our extensions (a stranger may name
+        a fork peer's address in an abort; that peer's receiving thread would die on the ack)."""
+        if self.peers.speaks_ours_at(host, port):
+            self._push.try_send(host, port, frames)
 
     def _end(self, r: SenderRoom) -> None:
         """The room ended and no write of it is in flight: free its blocks, send what waited."""
@@ -373,11 +386,11 @@ class EmbeddingSenderManager:
             self.allocator.free(r.src_blocks)
             r.src_blocks = None
             self._changed.notify_all()  # the placer may use them
-        for host, port, msg in r.held_failures:  # before any ack, as _settle_writes does
-            self._push.try_send(host, port, msg.encode())
+        for host, port, frames in r.held_failures:  # before any ack, as _settle_writes does
+            self._push.try_send(host, port, frames)
         r.held_failures.clear()
         for ack in r.pending_acks:
-            self._push.try_send(ack.endpoint, ack.dst_port, AbortAckMsg(r.room, ack.generation).encode())
+            self._send_ack(ack.endpoint, ack.dst_port, AbortAckMsg(r.room, ack.generation).encode())
         r.pending_acks.clear()
         self._send_suspend_acks(r)
         self._ended[r.room] = time.monotonic()
@@ -387,7 +400,7 @@ class EmbeddingSenderManager:
 
     def _send_suspend_acks(self, r: SenderRoom) -> None:
         for ack in r.pending_suspend_acks:
-            self._push.try_send(ack.endpoint, ack.dst_port, SuspendAckMsg(r.room, ack.generation).encode())
+            self._send_ack(ack.endpoint, ack.dst_port, SuspendAckMsg(r.room, ack.generation).encode())
         r.pending_suspend_acks.clear()
 
     def _abort_local(self, r: SenderRoom, kind: FailureKind, reason: str) -> None:
@@ -481,8 +494,7 @@ class EmbeddingSenderManager:
         try:
             msg = decode_encoder_bound(frames)
         except ProtocolError as exc:
-            self.stats["bad_message"] += 1
-            log.warning("dropping malformed control message: %s", exc)
+            self.rejections.reject("malformed", str(exc))
             self._answer_undecodable(frames, str(exc))
             return
         with self._lock:
@@ -497,8 +509,26 @@ class EmbeddingSenderManager:
             else:
                 self._on_round_request(msg)
 
+    # Who may act on a room. Without the shared secret nothing on the wire proves who sent a
+    # message, so these checks hold against peers that do not know a victim's endpoint, and
+    # keep honest peers from acting on each other's rooms; the secret is what keeps strangers out.
+
+    def _owns(self, r: SenderRoom, host: str, port: int) -> bool:
+        """``host:port`` is the language endpoint of one of the room's destinations."""
+        return any((d.endpoint, d.port) == (host, port) for d in r.dsts)
+
+    def _may_control(self, r: SenderRoom | None, host: str, port: int) -> bool:
+        """An abort or suspend from ``host:port`` may act on the room: it comes from the room's
+        destination, or, for a room nobody has asked for yet (or one restored from this
+        worker's checkpoint, whose destinations are not known), from a registered peer. A
+        language worker restarted from its checkpoint listens at its old endpoint again."""
+        if r is not None and r.dsts:
+            return self._owns(r, host, port)
+        return self.peers.registered_at(host, port)
+
     def _answer_undecodable(self, frames: list[bytes], reason: str) -> None:
-        """A bad init/resume still names its room and reply address where those frames parse."""
+        """A bad init/resume still names its room and reply address where those frames parse;
+        the room fails only when that address is the room's own destination."""
         try:
             room, host, port = int(frames[0]), frames[1].decode("ascii"), int(frames[2])
         except (ValueError, IndexError, UnicodeDecodeError):
@@ -507,8 +537,10 @@ class EmbeddingSenderManager:
             why = wire_reason(FailureKind.PROTOCOL, f"rejected message: {reason}")
             with self._lock:
                 r = self._rooms.get(room)
-                if r is not None:
+                if r is not None and self._owns(r, host, port):
                     self._fail(r, FailureKind.PROTOCOL, f"bad message from {host}:{port}: {reason}", notify=False)
+                else:
+                    r = None  # a stranger's answer need not wait for the room's writes
                 self._tell_failed(r, host, port, StatusMsg(room, KVPoll.Failed, 0, why))
 
     def _on_register(self, msg: RegisterMsg) -> None:
@@ -518,16 +550,27 @@ class EmbeddingSenderManager:
         elif msg.item_lens is not None and tuple(msg.item_lens[:4]) != self.pool.item_lens:
             mismatch = (f"pool layout mismatch: peer item lengths {msg.item_lens[:4]} vs ours "
                         f"{self.pool.item_lens} (block size or hidden size differ)")
-        for session in self.peers.register(msg, mismatch):  # the peer restarted: its old rooms are dead
-            for r in list(self._rooms.values()):
-                if any(d.session_id == session for d in r.dsts) and r.phase != P.SUSPENDED:
-                    self._fail(r, FailureKind.PEER_FAILED, f"language peer {msg.endpoint}:{msg.dst_port} restarted",
-                               notify=False)
-        if mismatch:
+        busy = lambda: {d.session_id for r in self._rooms.values() if r.live for d in r.dsts}  # noqa: E731
+        refused = self.peers.register(msg, mismatch, busy)
+        if refused:
+            limit = refused.endswith("all with live rooms")
+            self.rejections.reject("register_limit" if limit else "register_conflict", refused)
+        elif mismatch:
             log.warning("language peer %s: %s", msg.session_id, mismatch)
 
     def _on_pong(self, msg: PongMsg) -> None:
-        if self.peers.on_pong(msg):
+        outcome = self.peers.on_pong(msg)
+        if outcome is None:
+            return
+        for session, gone in outcome.dropped:  # not the session living at that endpoint (any more)
+            name = f"{gone.endpoint}:{gone.port}"
+            if gone.order > outcome.answering.order:
+                self.rejections.reject("register_takeover", f"session {session} registered for {name}, "
+                                                             f"where {msg.session_id} answers: dropped")
+            for r in list(self._rooms.values()):
+                if any(d.session_id == session for d in r.dsts) and r.phase != P.SUSPENDED:
+                    self._fail(r, FailureKind.PEER_FAILED, f"language peer {name} restarted", notify=False)
+        if outcome.confirmed:
             for r in list(self._rooms.values()):
                 if any(d.session_id == msg.session_id for d in r.dsts):
                     if r.writes and r.writes[0].done:  # landed while its status waited for this pong
@@ -535,14 +578,18 @@ class EmbeddingSenderManager:
                     self._maybe_start(r)
 
     def _on_abort(self, msg: AbortMsg) -> None:
-        ack = AbortAckMsg(msg.room, msg.generation).encode()
         r = self._rooms.get(msg.room)
+        if not self._may_control(r, msg.endpoint, msg.dst_port):
+            self.rejections.reject("not_owner", f"abort of room {msg.room} from {msg.endpoint}:{msg.dst_port}, "
+                                                "which does not own it")
+            return
+        ack = AbortAckMsg(msg.room, msg.generation).encode()
         if r is None:  # aborted before this worker heard of the room: its encode request will fail
             r = self._new_room(msg.room)
         if r.phase == P.DRAINING:
             r.pending_acks.append(msg)
         elif not r.live:
-            self._push.try_send(msg.endpoint, msg.dst_port, ack)
+            self._send_ack(msg.endpoint, msg.dst_port, ack)
         else:
             r.pending_acks.append(msg)  # sent when the room ends (nothing in flight then)
             self._fail(r, FailureKind.ABORTED, f"aborted by language peer {msg.endpoint}:{msg.dst_port}",
@@ -551,8 +598,12 @@ class EmbeddingSenderManager:
     def _on_suspend(self, msg: SuspendMsg) -> None:
         """The language side goes to sleep: write nothing more for the room, ack once idle."""
         r = self._rooms.get(msg.room)
+        if r is not None and not self._may_control(r, msg.endpoint, msg.dst_port):
+            self.rejections.reject("not_owner", f"suspend of room {msg.room} from {msg.endpoint}:{msg.dst_port}, "
+                                                "which does not own it")
+            return
         if r is None or not r.live:
-            self._push.try_send(msg.endpoint, msg.dst_port, SuspendAckMsg(msg.room, msg.generation).encode())
+            self._send_ack(msg.endpoint, msg.dst_port, SuspendAckMsg(msg.room, msg.generation).encode())
             return
         r.pending_suspend_acks.append(msg)
         if not r.in_flight:
@@ -561,44 +612,65 @@ class EmbeddingSenderManager:
             self._send_suspend_acks(r)
 
     def _on_round_request(self, msg: InitMsg | ResumeMsg) -> None:
-        peer = self.peers.get(msg.session_id)
-        kind, reason = FailureKind.PROTOCOL, ""
-        if peer is None:
-            reason = f"session {msg.session_id} never registered"
-        elif peer.mismatch:
-            kind, reason = FailureKind.MISMATCH, peer.mismatch
-        else:
-            try:
-                check_blocks(msg.block_ids, msg.allocated_tokens, self.config.block_size, peer.num_blocks)
-            except ProtocolError as exc:
-                kind, reason = exc.kind, str(exc)
+        """An init or resume. One that cannot be served is answered ``Failed``; it also fails the
+        room when its sender owns the room (or, for an init, when nobody has asked for it yet),
+        so the blocks held for it come back at once and its ``/encode`` fails with the reason."""
         r = self._rooms.get(msg.room)
-        if isinstance(msg, ResumeMsg) and not reason:
-            reason = self._check_resume(r, msg)
-        if reason:
-            self.stats["rejected_message"] += 1
-            if r is not None:
-                self._fail(r, kind, reason, notify=False)
-            self._tell_failed(r, msg.endpoint, msg.dst_port,
-                              StatusMsg(msg.room, KVPoll.Failed, 0, wire_reason(kind, reason)))
+        kind, reason, owner = self._check_round_request(r, msg)
+        if not reason:
+            dst = Destination(msg.endpoint, msg.dst_port, msg.session_id, msg.block_ids, msg.allocated_tokens)
+            if isinstance(msg, InitMsg):
+                self._on_init(r if r is not None else self._new_room(msg.room), msg, dst)
+            else:
+                assert r is not None
+                self._on_resume(r, msg, dst)
             return
-        dst = Destination(msg.endpoint, msg.dst_port, msg.session_id, msg.block_ids, msg.allocated_tokens)
+        what = "init" if isinstance(msg, InitMsg) else "resume"
+        detail = f"{what} of room {msg.room} from {msg.endpoint}:{msg.dst_port} (session {msg.session_id}): {reason}"
+        self.rejections.reject("refused_round" if owner else "unregistered_session" if self.peers.get(
+            msg.session_id) is None else "not_owner", detail)
+        if owner:
+            if r is None:
+                r = self._new_room(msg.room)  # a tombstone: the encode request that comes fails at once
+            self._fail(r, kind, detail, notify=False)
+        self._tell_failed(r if owner else None, msg.endpoint, msg.dst_port, StatusMsg(msg.room, KVPoll.Failed, 0, wire_reason(kind, reason)))
+
+    def _check_round_request(self, r: SenderRoom | None, msg: InitMsg | ResumeMsg) -> tuple[FailureKind, str, bool]:
+        """``(kind, why it is refused, whether its sender may fail the room)``; no reason: serve it."""
+        peer = self.peers.get(msg.session_id)
+        if peer is None:
+            return FailureKind.PROTOCOL, f"session {msg.session_id} never registered", False
+        if peer.address != (msg.endpoint, msg.dst_port):
+            return (FailureKind.PROTOCOL, f"session {msg.session_id} registered from {peer.endpoint}:{peer.port}",
+                    False)
+        # An init may fail a room nobody has asked for yet; a resume only one of its sender's rooms
+        # (any registered peer's for a room restored from this worker's checkpoint: it has none).
         if isinstance(msg, InitMsg):
-            self._on_init(r if r is not None else self._new_room(msg.room), msg, dst)
+            owner = r is None or not r.dsts
         else:
-            assert r is not None
-            self._on_resume(r, msg, dst)
+            owner = r is not None and (self._owns(r, *peer.address) or (r.phase == P.SUSPENDED and not r.dsts))
+            if r is not None and not owner:  # before any check that would tell a stranger its progress
+                return FailureKind.PROTOCOL, f"resume for room {msg.room} from a peer that did not init it", False
+        if peer.mismatch:
+            return FailureKind.MISMATCH, peer.mismatch, owner
+        try:
+            check_blocks(msg.block_ids, msg.allocated_tokens, self.config.block_size, peer.num_blocks)
+        except ProtocolError as exc:
+            return exc.kind, str(exc), owner
+        reason = self._check_resume(r, msg) if isinstance(msg, ResumeMsg) else ""
+        return FailureKind.PROTOCOL, reason, owner
 
     def _on_init(self, r: SenderRoom, msg: InitMsg, dst: Destination) -> None:
+        held = r if self._owns(r, msg.endpoint, msg.dst_port) else None  # see _tell_failed
         if not r.live:  # failed (aborted, refused) or finished: say so, with the reason
             kind = r.state.kind or FailureKind.CONFLICT
             why = r.state.reason or f"room {r.room} already finished"
-            self._tell_failed(r, msg.endpoint, msg.dst_port, StatusMsg(r.room, KVPoll.Failed, 0, wire_reason(kind, why)))
+            self._tell_failed(held, msg.endpoint, msg.dst_port, StatusMsg(r.room, KVPoll.Failed, 0, wire_reason(kind, why)))
             return
         if r.phase == P.SUSPENDED and not r.dsts:  # restored from disk, asked for again from token 0
             r.move(P.BOOTSTRAPPING)
         if r.phase != P.BOOTSTRAPPING or r.inited:
-            self._tell_failed(r, msg.endpoint, msg.dst_port, StatusMsg(
+            self._tell_failed(held, msg.endpoint, msg.dst_port, StatusMsg(
                 r.room, KVPoll.Failed, 0, wire_reason(FailureKind.CONFLICT, f"room {r.room} already initialised")))
             return
         r.required_dsts = msg.required_dst_info_num
@@ -690,6 +762,8 @@ class EmbeddingSenderManager:
         it), then end the room or go on with what comes next. After a stall of this process a
         round's status also waits for its sessions' pongs: a round that landed after its peer
         gave up on the room must not be reported as delivered (the abort comes first)."""
+        if not r.live and r.phase != P.DRAINING:
+            return  # ended already (a failed write's _fail settled it)
         while r.writes and r.writes[0].done:
             if r.phase != P.DRAINING and not all(self.peers.may_write(d.session_id) for d in r.writes[0].dsts):
                 return  # _on_pong settles it
@@ -701,7 +775,8 @@ class EmbeddingSenderManager:
             # The status goes out before any ack _end sends: a peer that sees the ack must
             # already know how the round ended.
             for d in write.dsts:
-                self._push.try_send(d.endpoint, d.port, StatusMsg(r.room, status, write.end).encode())
+                self._push.try_send(d.endpoint, d.port, self._status_frames(d.endpoint, d.port,
+                                                                            StatusMsg(r.room, status, write.end)))
             r.deadline = time.monotonic() + self.config.resume_timeout
         if r.writes:
             return

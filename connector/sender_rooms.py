@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from connector.buffers import Embedding
-from connector.messages import AbortMsg, StatusMsg, SuspendMsg
+from connector.messages import AbortMsg, SuspendMsg
 from connector.poll import RoomState
 
 
@@ -86,7 +86,7 @@ class SenderRoom:
     pending_suspend_acks: list[SuspendMsg] = field(default_factory=list)
     # Failed statuses held back while a write is in flight: a peer frees its blocks on Failed,
     # so it must not see one before the last byte has landed.
-    held_failures: list[tuple[str, int, StatusMsg]] = field(default_factory=list)
+    held_failures: list[tuple[str, int, list[bytes]]] = field(default_factory=list)  # (host, port, frames)
     deadline: float = 0.0  # of the bootstrap or resume wait
     suspended_at: float = 0.0
     first_write_at: float | None = None  # time.monotonic() as the first round's write began

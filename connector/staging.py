@@ -1,5 +1,8 @@
 """Host memory for encoded embeddings that are not in pool blocks: a byte budget, FIFO.
 
+(The encode worker also bounds the memory for decoding images with one; there every request is
+an ordinary waiter, nobody is urgent.)
+
 An encode request reserves the bytes of its embedding before it is encoded (the token count
 follows from the image sizes). A room that no language peer has asked for yet is granted its
 bytes in arrival order while they fit the budget, and otherwise waits (its caller bounds the
@@ -24,7 +27,7 @@ class _Waiter:
     granted: Future
 
 
-class StagingBudget:
+class ByteBudget:
     def __init__(self, limit: int) -> None:
         if limit <= 0:
             raise ValueError(f"staging budget must be positive, got {limit}")

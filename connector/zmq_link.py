@@ -1,16 +1,27 @@
-"""ZMQ plumbing shared by both sides: one PULL loop per manager, cached PUSH sockets."""
+"""ZMQ plumbing shared by both sides: one PULL loop per manager, cached PUSH sockets.
+
+Both sign what they send and check what they receive when a shared secret is set
+(:mod:`connector.auth`).
+"""
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable
 
 import zmq
 
+from connector.auth import AuthError, sign, verify
+from connector.rejections import Rejections
+
 log = logging.getLogger(__name__)
 
 _QUEUE_LIMIT = 100_000  # control messages queued for one peer (a few hundred bytes each)
+# Peers with an open PUSH socket; beyond it the least recently used one is closed. Well below a
+# ZMQ context's 1023 sockets: a flood of messages naming made-up reply addresses cannot use them up.
+MAX_SOCKETS = 256
 
 
 class PushSockets:
@@ -20,22 +31,25 @@ class PushSockets:
     has not taken ``_QUEUE_LIMIT`` messages is not reading, and the send raises ``zmq.Again``.
     """
 
-    def __init__(self, context: zmq.Context) -> None:
-        self._context = context
-        self._sockets: dict[tuple[str, int], zmq.Socket] = {}
+    def __init__(self, context: zmq.Context, secret: bytes = b"") -> None:
+        self._context, self._secret = context, secret
+        self._sockets: collections.OrderedDict[tuple[str, int], zmq.Socket] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def send(self, host: str, port: int, frames: list[bytes]) -> None:
         with self._lock:
             sock = self._sockets.get((host, port))
             if sock is None:
+                if len(self._sockets) >= MAX_SOCKETS:  # peers named in messages are not all real
+                    self._sockets.popitem(last=False)[1].close(linger=0)
                 sock = self._context.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 1000)
                 sock.setsockopt(zmq.SNDHWM, _QUEUE_LIMIT)
                 sock.setsockopt(zmq.SNDTIMEO, 0)
                 sock.connect(f"tcp://{_bracket(host)}:{port}")
                 self._sockets[(host, port)] = sock
-            sock.send_multipart(frames)
+            self._sockets.move_to_end((host, port))
+            sock.send_multipart(sign(frames, self._secret))
 
     def try_send(self, host: str, port: int, frames: list[bytes]) -> bool:
         """:meth:`send`, logging instead of raising when the peer cannot take the message (its
@@ -61,20 +75,33 @@ class PushSockets:
 
 
 class PullLoop:
-    """Binds a PULL socket on ``host`` (random port) and hands every message to ``handler``.
+    """Binds a PULL socket on ``host`` (``port``, or a random one when it is 0 or taken) and hands
+    every message to ``handler``, without its MAC frame; with a secret, a message that does not
+    prove it never gets there.
 
     The handler must not raise; if it does, the error is logged and the loop goes on.
     """
 
-    def __init__(self, context: zmq.Context, host: str, handler: Callable[[list[bytes]], None], name: str) -> None:
+    def __init__(self, context: zmq.Context, host: str, handler: Callable[[list[bytes]], None], name: str,
+                 rejections: Rejections, secret: bytes = b"", port: int = 0) -> None:
+        self._rejections, self._secret = rejections, secret
         self._sock = context.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)  # control messages only
-        self.port = self._sock.bind_to_random_port(f"tcp://{_bracket(host)}")
+        self.port = self._bind(host, port)
         self._handler = handler
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def _bind(self, host: str, port: int) -> int:
+        if port:
+            try:
+                self._sock.bind(f"tcp://{_bracket(host)}:{port}")
+                return port
+            except zmq.ZMQError as exc:
+                log.warning("cannot listen on %s:%d again (%s); using another port", host, port, exc)
+        return self._sock.bind_to_random_port(f"tcp://{_bracket(host)}")
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -83,6 +110,14 @@ class PullLoop:
             if not poller.poll(100):
                 continue
             frames = self._sock.recv_multipart()
+            try:
+                frames = verify(frames, self._secret)
+            except AuthError as exc:
+                self._rejections.reject("unauthenticated", f"{len(frames)}-frame message dropped: {exc}")
+                continue
+            except Exception:  # a bug in the check must not stop the loop (nor let the message in)
+                log.exception("error checking a control message's MAC")
+                continue
             try:
                 self._handler(frames)
             except Exception:  # a bad message must never stop the loop

@@ -8,8 +8,11 @@ What a client may name is a :class:`MediaPolicy` (the flags follow vLLM's):
   it exists or not;
 * ``http(s)://`` only to ``--allowed-media-domains`` when given; otherwise to any host whose
   addresses are all public, unless ``--allow-private-media-urls``. Redirects are followed by
-  hand, each target checked the same way;
-* at most ``--max-image-pixels`` pixels, read from the header before anything is decoded.
+  hand, each target checked the same way; the connection goes to the address that was checked
+  (the name is not resolved a second time);
+* at most ``--max-image-pixels`` pixels, read from the header before anything is decoded;
+* decoding and preprocessing of all requests together within ``--decode-memory-bytes``
+  (reserved from the header sizes, see :func:`embedding_side.encoders.decode_bytes`).
 
 Every failure is an :class:`ImageInputError` whose message says what was wrong with which
 input (and never echoes file contents or the full data URI).
@@ -28,13 +31,15 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-import requests
+import certifi
+import urllib3
 from PIL import Image, UnidentifiedImageError
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
 DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_PIXELS = 40_000_000  # 4.8 times a 4K frame; a decoded RGB image of it is 120 MB
+DEFAULT_DECODE_BYTES = 4 << 30  # about seven 4K frames decoded and preprocessed at once
 MAX_REDIRECTS = 5
 # Pillow's own bomb guard stays as a second line behind ``max_pixels``.
 Image.MAX_IMAGE_PIXELS = 20_000 * 20_000
@@ -55,6 +60,7 @@ class MediaPolicy:
     fetch_timeout: float = DEFAULT_TIMEOUT_S
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_images: int = 16  # per request
+    decode_bytes: int = DEFAULT_DECODE_BYTES  # host memory for decoding and preprocessing, all requests
 
     @classmethod
     def create(cls, local_dirs: list[str] | tuple[str, ...] = (), domains: list[str] | None = None,
@@ -71,23 +77,39 @@ def describe(ref: str) -> str:
 
 def load_image(ref: str, policy: MediaPolicy) -> Image.Image:
     """Fetch and decode one image reference into an RGB Pillow image."""
+    return decode_image(open_image(ref, policy), ref)
+
+
+def open_image(ref: str, policy: MediaPolicy) -> Image.Image:
+    """Fetch one image reference and read its header (format and size checked): nothing is
+    decoded yet, so the caller can reserve memory for that from the size first."""
     if not isinstance(ref, str) or not ref:
         raise ImageInputError("each image must be a non-empty string (path, file://, http(s):// or data: URI)")
     data = _fetch(ref, policy)
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only
-        if img.format not in ALLOWED_FORMATS:
-            raise ImageInputError(f"{describe(ref)}: format {img.format} not supported (use PNG, JPEG or WebP)")
-        width, height = img.size
-        if width * height > policy.max_pixels:
-            raise ImageInputError(f"{describe(ref)}: {width}x{height} is {width * height} pixels, over the "
-                                  f"{policy.max_pixels}-pixel limit")
-        img.load()
-    except ImageInputError:
-        raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise ImageInputError(f"{describe(ref)}: not a decodable PNG, JPEG or WebP image ({type(exc).__name__})") from None
-    return img.convert("RGB")
+        raise _undecodable(ref, exc) from None
+    if img.format not in ALLOWED_FORMATS:
+        raise ImageInputError(f"{describe(ref)}: format {img.format} not supported (use PNG, JPEG or WebP)")
+    width, height = img.size
+    if width * height > policy.max_pixels:
+        raise ImageInputError(f"{describe(ref)}: {width}x{height} is {width * height} pixels, over the "
+                              f"{policy.max_pixels}-pixel limit")
+    return img
+
+
+def decode_image(img: Image.Image, ref: str) -> Image.Image:
+    """Decode an image from :func:`open_image` into RGB."""
+    try:
+        img.load()
+        return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise _undecodable(ref, exc) from None
+
+
+def _undecodable(ref: str, exc: BaseException) -> ImageInputError:
+    return ImageInputError(f"{describe(ref)}: not a decodable PNG, JPEG or WebP image ({type(exc).__name__})")
 
 
 def _fetch(ref: str, policy: MediaPolicy) -> bytes:
@@ -138,7 +160,10 @@ def _read_bounded(read, ref: str, max_bytes: int) -> bytes:
 
 # ---- URLs ------------------------------------------------------------------------------------
 
-def _check_url(url: str, policy: MediaPolicy) -> None:
+def _check_url(url: str, policy: MediaPolicy) -> str:
+    """The address to connect to for ``url``: the one checked to be public (the connection is
+    pinned to it, so a DNS answer that changes after the check cannot redirect the fetch), or
+    the host name itself where names are trusted (allowed domains, private URLs allowed)."""
     parts = urllib.parse.urlsplit(url)
     host = (parts.hostname or "").lower().rstrip(".")
     if parts.scheme.lower() not in ("http", "https") or not host:
@@ -146,12 +171,11 @@ def _check_url(url: str, policy: MediaPolicy) -> None:
     if policy.domains is not None:
         if host not in policy.domains:
             raise ImageInputError(f"{describe(url)}: host {host!r} is not in --allowed-media-domains")
-        return
+        return host
     if policy.allow_private:
-        return
+        return host
     try:
-        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
-        infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
+        infos = socket.getaddrinfo(host, _port(parts), proto=socket.IPPROTO_TCP)
     except (OSError, ValueError, UnicodeError):
         raise ImageInputError(f"{describe(url)}: host {host!r} does not resolve") from None
     for info in infos:
@@ -159,25 +183,48 @@ def _check_url(url: str, policy: MediaPolicy) -> None:
         if not address.is_global or address.is_multicast:
             raise ImageInputError(f"{describe(url)}: host {host!r} resolves to a non-public address; fetching it "
                                   f"needs --allow-private-media-urls or --allowed-media-domains")
+    return infos[0][4][0]
+
+
+def _port(parts: urllib.parse.SplitResult) -> int:
+    return parts.port or (443 if parts.scheme.lower() == "https" else 80)
 
 
 def _http(url: str, policy: MediaPolicy) -> bytes:
     try:
         for _ in range(MAX_REDIRECTS + 1):
-            _check_url(url, policy)
-            with requests.get(url, stream=True, timeout=policy.fetch_timeout, allow_redirects=False) as resp:
-                if resp.is_redirect:
+            with _get(url, _check_url(url, policy), policy) as resp:
+                if resp.status in (301, 302, 303, 307, 308) and "location" in resp.headers:
                     url = urllib.parse.urljoin(url, resp.headers["location"])
                     continue
-                if resp.status_code != 200:
-                    raise ImageInputError(f"{describe(url)}: HTTP {resp.status_code}")
-                chunks = resp.iter_content(1 << 16)
-                return _read_bounded(lambda _n, chunks=chunks: next(chunks, b""), url, policy.max_bytes)
+                if resp.status != 200:
+                    raise ImageInputError(f"{describe(url)}: HTTP {resp.status}")
+                return _read_bounded(resp.read, url, policy.max_bytes)
         raise ImageInputError(f"{describe(url)}: more than {MAX_REDIRECTS} redirects")
-    except requests.Timeout:
-        raise ImageInputError(f"{describe(url)}: no answer within {policy.fetch_timeout:g}s") from None
-    except requests.RequestException as exc:
+    except urllib3.exceptions.NewConnectionError as exc:  # (urllib3 files it under timeouts)
         raise ImageInputError(f"{describe(url)}: unreachable ({type(exc).__name__})") from None
+    except urllib3.exceptions.TimeoutError:
+        raise ImageInputError(f"{describe(url)}: no answer within {policy.fetch_timeout:g}s") from None
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        raise ImageInputError(f"{describe(url)}: unreachable ({type(exc).__name__})") from None
+
+
+def _get(url: str, connect_to: str, policy: MediaPolicy) -> urllib3.BaseHTTPResponse:
+    """GET ``url`` over a connection to ``connect_to`` (an address or the URL's own host): the
+    Host header, TLS server name and certificate check still use the URL's host. No proxy, no
+    redirect followed, nothing read yet."""
+    parts = urllib.parse.urlsplit(url)
+    pool_args = {"host": connect_to, "port": _port(parts), "retries": False,
+                 "timeout": urllib3.Timeout(connect=policy.fetch_timeout, read=policy.fetch_timeout)}
+    if parts.scheme.lower() == "https":
+        pool = urllib3.HTTPSConnectionPool(**pool_args, server_hostname=parts.hostname,
+                                           assert_hostname=parts.hostname, cert_reqs="CERT_REQUIRED",
+                                           ca_certs=certifi.where())
+    else:
+        pool = urllib3.HTTPConnectionPool(**pool_args)
+    target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+    return pool.urlopen("GET", target, headers={"Host": parts.netloc.rpartition("@")[2]}, redirect=False,
+                        preload_content=False, release_conn=True)
 
 
 def _data_uri(ref: str, max_bytes: int) -> bytes:

@@ -4,12 +4,16 @@ One request (``POST /encode``), each step bounded:
 
 1. admission: at most ``max_queued_requests`` requests between arrival and answer, else 503
    at once (not for a room a language worker already asked for);
-2. load and decode every image (400 on bad input); the token count follows from the sizes,
-   so an embedding that can never fit the pool is refused (413) before any work;
-3. reserve host memory for the embedding (:class:`connector.staging.StagingBudget`): at once
+2. fetch every image and read its header (400 on bad input); the token count follows from the
+   sizes, so an embedding that can never fit the pool is refused (413) before any work, as are
+   images that cannot be decoded together within the decode budget;
+3. reserve host memory for the embedding (:class:`connector.staging.ByteBudget`): at once
    if a language worker already asked for the room, else in arrival order within the budget,
    waiting at most ``queue_timeout`` (then 503);
-4. encode (one forward pass at a time; skipped if the room failed meanwhile);
+4. reserve the memory to decode and preprocess the images (``MediaPolicy.decode_bytes``, in
+   arrival order, at most ``queue_timeout``), decode, encode (one forward pass at a time;
+   skipped if the room failed meanwhile), give it back. Always after step 3: a request that
+   holds decode memory waits for nothing but the encoder, so no wait cycle can form;
 5. hand the embedding to the room's sender, which places it in pool blocks and writes it in
    as many rounds as the language side asks for;
 6. answer once every destination has every token (200), or with the failure's status: 5xx
@@ -34,7 +38,8 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -52,9 +57,10 @@ from connector.metrics import WorkerMetrics
 from connector.mooncake_transport import MooncakeTransport
 from connector.sender import EmbeddingSender, EmbeddingSenderManager, SenderRoomCheckpoint
 from connector.sleep import SleepGate, WorkerState
+from connector.staging import ByteBudget
 from embedding_side import checkpoint
-from embedding_side.encoders import VisionEncoder, tokens_for
-from embedding_side.images import ImageInputError, MediaPolicy, load_image
+from embedding_side.encoders import VisionEncoder, decode_bytes, tokens_for
+from embedding_side.images import ImageInputError, MediaPolicy, decode_image, open_image
 from embedding_side.positions import image_positions
 
 log = logging.getLogger(__name__)
@@ -74,17 +80,20 @@ class EncodeWorker:
         self.sender = EmbeddingSenderManager(config, self.transport, self.pool, self.allocator)
         self.gate = SleepGate("encode", queue_while_sleeping, config.max_sleep)
         self._on_disk = False  # asleep with every kept room written to the checkpoint folder
-        self.bootstrap = BootstrapServer(config.host, bootstrap_port, health_status=self._bootstrap_health)
+        self.bootstrap = BootstrapServer(config.host, bootstrap_port, health_status=self._bootstrap_health,
+                                         secret=config.secret)
         self.bootstrap.put_route(1, 1, config.host, self.sender.rank_port, 0)
         self._loaders = ThreadPoolExecutor(4, thread_name_prefix="encode-load")
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="encode-compute")  # the cores are few
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # rids between arrival and answer
         self._computing = 0
+        self.decoding = ByteBudget(self.media.decode_bytes)  # under _lock
         # Notified when an encode's forward pass ends. On the same lock as the check before one
         # starts, so a sleep cannot see none running while one is about to.
         self._idle = threading.Condition(self._lock)
-        self.metrics = WorkerMetrics("encode", lambda: pool_blocks(self.allocator), self._queues)
+        self.metrics = WorkerMetrics("encode", lambda: pool_blocks(self.allocator), self._queues,
+                                     self.sender.rejections.snapshot)
         self._restart = bool(checkpoint_dir) and checkpoint_files.exists(checkpoint_dir, checkpoint.ROLE)
         if self._restart:  # a checkpoint waits on disk: boot asleep until /wake_up
             self.sender.pause()
@@ -99,7 +108,9 @@ class EncodeWorker:
         return "SLEEPING checkpointed" if self._on_disk else "SLEEPING"
 
     def _queues(self) -> dict[str, int]:
-        return {"pending": len(self._pending), **self.sender.queue_stats()}
+        with self._lock:
+            decoding = {"decode_bytes": self.decoding.used, "decode_waiting": self.decoding.waiting}
+        return {"pending": len(self._pending), **decoding, **self.sender.queue_stats()}
 
     # ---- one request -----------------------------------------------------------------------------
 
@@ -178,35 +189,75 @@ class EncodeWorker:
         loop = asyncio.get_running_loop()
         sender.failure_exception()  # aborted by its language peer before it arrived
         try:
-            images = await loop.run_in_executor(self._loaders, self._load, refs)
+            images = await loop.run_in_executor(self._loaders, self._open, refs)
         except ImageInputError as exc:
             raise TransferFailure(FailureKind.BAD_REQUEST, str(exc)) from None
         try:
             tokens = sum(tokens_for(image) for image in images)
+            decode_need = sum(decode_bytes(image) for image in images)
         except ValueError as exc:  # e.g. an aspect ratio Qwen refuses
             raise TransferFailure(FailureKind.BAD_REQUEST, f"cannot encode: {exc}") from None
         if self.sender.blocks_for(tokens) > self.config.num_blocks:
             raise TransferFailure(FailureKind.TOO_LARGE, f"the embedding needs {self.sender.blocks_for(tokens)} "
                                                          f"blocks ({tokens} tokens); the encode pool has "
                                                          f"{self.config.num_blocks}")
-        granted = asyncio.wrap_future(sender.admit(self.sender.staged_bytes_for(tokens)))
-        done, _ = await asyncio.wait({granted}, timeout=self.config.queue_timeout)
-        if not done:
-            granted.cancel()
-            raise TransferFailure(FailureKind.OVERLOADED, f"no host memory for the embedding within "
-                                                          f"{self.config.queue_timeout:g}s ({self.sender.staging.used} "
-                                                          f"of {self.config.staging_bytes} bytes staged)")
-        granted.result()  # raises if the room failed while it waited
-        while (encoded := await loop.run_in_executor(self._compute, self._run_encoder, sender, images)) is None:
-            await self.gate.wait_awake()  # it fell asleep before this encode could start
+        if decode_need > self.decoding.limit:
+            raise TransferFailure(FailureKind.TOO_LARGE, f"decoding these images takes about {decode_need} bytes, "
+                                                         f"over the decode budget of {self.decoding.limit} "
+                                                         f"(--decode-memory-bytes); send fewer or smaller images")
+        await self._granted(sender.admit(self.sender.staged_bytes_for(tokens)), lambda: (
+            f"no host memory for the embedding within {self.config.queue_timeout:g}s ({self.sender.staging.used} "
+            f"of {self.config.staging_bytes} bytes staged)"))
+        with self._lock:
+            decode_grant = self.decoding.request(sender.room, decode_need, urgent=False)
+        work: Future | None = None  # the decode or forward pass under way on a worker thread
+        try:
+            await self._granted(decode_grant, lambda: (
+                f"no memory to decode the images within {self.config.queue_timeout:g}s ({self.decoding.used} of "
+                f"{self.decoding.limit} decode bytes in use)"))
+            try:
+                work = self._loaders.submit(self._decode, images, refs)
+                images = await asyncio.wrap_future(work)
+            except ImageInputError as exc:
+                raise TransferFailure(FailureKind.BAD_REQUEST, str(exc)) from None
+            while True:
+                work = self._compute.submit(self._run_encoder, sender, images)
+                if (encoded := await asyncio.wrap_future(work)) is not None:
+                    break
+                await self.gate.wait_awake()  # it fell asleep before this encode could start
+        finally:
+            del images  # the decoded pixels go before the budget they were counted in
+            release = lambda *_: self._release_decoding(sender.room)  # noqa: E731
+            if work is not None and not work.done():  # cancelled meanwhile: the thread still holds the memory
+                work.add_done_callback(release)
+            else:
+                release()
         embedding, grids = encoded
         sender.send(embedding)
         log.info("rid=%s room=%d: %d images -> %d tokens", rid, sender.room, len(refs), embedding.num_tokens)
         return {"rid": rid, "num_tokens": embedding.num_tokens, "hidden_size": embedding.hidden_size,
                 "dtype": embedding.dtype, "sha256": embedding.sha256(), "grid_thw": grids}
 
-    def _load(self, refs: list[str]) -> list[Image.Image]:
-        return [load_image(ref, self.media) for ref in refs]
+    def _release_decoding(self, room: int) -> None:
+        with self._lock:
+            self.decoding.release(room)
+
+    async def _granted(self, grant: Future, why_not: Callable[[], str]) -> None:
+        """Wait up to ``queue_timeout`` for a memory grant; 503 with ``why_not()`` after that (and
+        the failure of the room, if it failed while it waited)."""
+        granted = asyncio.wrap_future(grant)
+        done, _ = await asyncio.wait({granted}, timeout=self.config.queue_timeout)
+        if not done:
+            granted.cancel()
+            raise TransferFailure(FailureKind.OVERLOADED, why_not())
+        granted.result()
+
+    def _open(self, refs: list[str]) -> list[Image.Image]:
+        return [open_image(ref, self.media) for ref in refs]
+
+    @staticmethod
+    def _decode(images: list[Image.Image], refs: list[str]) -> list[Image.Image]:
+        return [decode_image(image, ref) for image, ref in zip(images, refs, strict=True)]
 
     def _run_encoder(self, sender: EmbeddingSender,
                      images: list[Image.Image]) -> tuple[Embedding, list[list[int]]] | None:

@@ -25,7 +25,9 @@ class SavedRequest:
     transfer: ReceiverCheckpoint | None
 
 
-def save(folder: str | Path, geometry: dict, requests: list[SavedRequest]) -> int:
+def save(folder: str | Path, geometry: dict, requests: list[SavedRequest], zmq_port: int) -> int:
+    """``zmq_port``: where this worker's connector listens. A worker restarted on the checkpoint
+    listens there again, so encoders see its rooms' owner come back at the same endpoint."""
     entries, tensors = [], {}
     for i, req in enumerate(requests):
         entry = {"rid": req.rid, "bootstrap_addr": req.bootstrap_addr, "room": req.room, "transfer": None}
@@ -40,7 +42,13 @@ def save(folder: str | Path, geometry: dict, requests: list[SavedRequest]) -> in
                 assert t.data is not None
                 tensors.update(checkpoint.embedding_tensors(str(i), t.data, t.landed))
         entries.append(entry)
-    return checkpoint.save(folder, ROLE, {**geometry, "requests": entries}, tensors)
+    return checkpoint.save(folder, ROLE, {**geometry, "requests": entries, "zmq_port": zmq_port}, tensors)
+
+
+def stored_zmq_port(folder: str | Path) -> int:
+    """The connector port of the worker that wrote the checkpoint (0 when unknown)."""
+    port = checkpoint.peek(folder, ROLE, "zmq_port")
+    return port if isinstance(port, int) and 0 < port < 65536 else 0
 
 
 def load(folder: str | Path, geometry: dict) -> list[SavedRequest]:

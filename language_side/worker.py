@@ -101,8 +101,10 @@ class LanguageWorker:
         self.allocator: BlockAllocator | None = BlockAllocator(config.num_blocks)
         self.transport = MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion)
         self._wake = threading.Event()
+        restarting = bool(checkpoint_dir) and checkpoint_files.exists(checkpoint_dir, checkpoint.ROLE)
         self.receivers = EmbeddingReceiverManager(config, self.transport, self.pool, self.allocator,
-                                                  on_change=self._wake.set)
+                                                  on_change=self._wake.set, rank_port=checkpoint.stored_zmq_port(
+                                                      checkpoint_dir) if restarting else 0)
         self.gate = SleepGate("language", queue_while_sleeping, config.max_sleep)
         self._lock = threading.Lock()
         self._step = threading.Lock()  # held by the scheduler per step; sleep takes it to stop the queues
@@ -112,9 +114,10 @@ class LanguageWorker:
         self._saved: list[_Request] | None = None  # the in-memory checkpoint while asleep
         self._disk_error = ""  # why the last sleep's checkpoint did not reach the disk
         self._consumers = ThreadPoolExecutor(1, thread_name_prefix="language-consumer")
-        self.metrics = WorkerMetrics("language", lambda: pool_blocks(self.allocator), self._queues)
+        self.metrics = WorkerMetrics("language", lambda: pool_blocks(self.allocator), self._queues,
+                                     self.receivers.rejections.snapshot)
         self._stop = threading.Event()
-        if checkpoint_dir and checkpoint_files.exists(checkpoint_dir, checkpoint.ROLE):
+        if restarting:
             self._release_pool()  # a checkpoint waits on disk: boot asleep until /wake_up
             self.gate.start_asleep()
         self._thread = threading.Thread(target=self._run, name="language-scheduler", daemon=True)
@@ -185,6 +188,10 @@ class LanguageWorker:
                 return {"changed": False, "is_sleeping": True}
             self._disk_error = ""
             with self._step:
+                if owed := self.receivers.fork_rounds_owed():  # their blocks cannot be released yet
+                    raise TransferFailure(FailureKind.CONFLICT, f"rooms {owed[:8]} wait for a round from a reference-"
+                                                                f"fork encoder, which cannot be told to pause; sleep "
+                                                                f"again once it has landed")
                 if preserve_state:
                     kept_bytes = self._keep_requests()
                 else:
@@ -245,7 +252,7 @@ class LanguageWorker:
         kept_bytes = sum(r.saved.transfer.landed * (self.pool.row_bytes + 16) for r in kept if r.saved.transfer)
         if self.checkpoint_dir:
             written, self._disk_error = checkpoint_files.save_or_explain(self.checkpoint_dir, lambda: checkpoint.save(
-                self.checkpoint_dir, self._geometry(), [r.saved for r in self._saved]))
+                self.checkpoint_dir, self._geometry(), [r.saved for r in self._saved], self.receivers.rank_port))
             kept_bytes = kept_bytes if written is None else written
         return kept_bytes
 

@@ -8,7 +8,7 @@ ports once it listens. Control requests (ZMQ REQ/REP, JSON, no pickle):
 * ``{"op": "stage", "room", "tokens", "seed"}`` -> ``{"digests"}``: ``send()`` an embedding and
   wait until it is in the pool's blocks (when the pool has room for it)
 * ``{"op": "status", "room"}`` -> ``{"status", "reason", "first_write_at"}``
-* ``{"op": "stats"}`` -> ``{"free_blocks", "num_blocks", "active_rooms", "counters",
+* ``{"op": "stats"}`` -> ``{"free_blocks", "num_blocks", "active_rooms", "counters", "rejected",
   "socket_send_started_at"}`` (times are ``time.monotonic()``, one clock for all processes)
 * ``{"op": "raw_write", "session", "dst", "nbytes"}`` -> ``{"started_at", "ended_at"}``: one
   bare Mooncake write of the pool's first bytes to a peer's registered address
@@ -96,19 +96,21 @@ def main() -> None:
     ap.add_argument("--resume-timeout", type=float, default=60.0)
     ap.add_argument("--bootstrap-timeout", type=float, default=60.0)
     ap.add_argument("--completion", default="poll")
+    ap.add_argument("--control-secret", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="peer %(levelname)s %(name)s: %(message)s")
 
     config = ConnectorConfig(host=args.host, num_blocks=args.num_blocks, block_size=args.block_size,
                              hidden_size=args.hidden_size, resume_timeout=args.resume_timeout,
-                             bootstrap_timeout=args.bootstrap_timeout, completion=args.completion)
+                             bootstrap_timeout=args.bootstrap_timeout, completion=args.completion,
+                             control_secret=args.control_secret)
     pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
     allocator = BlockAllocator(config.num_blocks)
     transport = MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion)
     manager = EmbeddingSenderManager(config, transport, pool, allocator)
     sleeping = threading.Event()
     bootstrap = BootstrapServer(args.host, args.bootstrap_port,
-                                health_status=lambda: "SLEEPING" if sleeping.is_set() else "OK")
+                                health_status=lambda: "SLEEPING" if sleeping.is_set() else "OK", secret=config.secret)
     bootstrap.put_route(1, 1, args.host, manager.rank_port, 0)
     socket_send_started = [0.0]
     socket_port = serve_socket_baseline(args.host, pool.embeddings, socket_send_started)
@@ -143,6 +145,7 @@ def main() -> None:
             elif op == "stats":
                 reply = {"free_blocks": allocator.free_blocks, "num_blocks": allocator.num_blocks,
                          "active_rooms": manager.active_rooms(), "counters": dict(manager.stats),
+                         "rejected": manager.rejections.snapshot(),
                          "socket_send_started_at": socket_send_started[0]}
             elif op == "sleep":
                 manager.pause()

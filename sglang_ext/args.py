@@ -11,7 +11,7 @@ import os
 
 from connector.buffers import BufferPool
 from connector.config import ENV_NAMES, ConnectorConfig
-from embedding_side.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_TIMEOUT_S
+from embedding_side.images import DEFAULT_DECODE_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_TIMEOUT_S
 
 MODES = ("encode", "language")
 
@@ -71,6 +71,14 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
     g.add_argument("--queue-timeout", type=float, default=d.queue_timeout, metavar="SECONDS",
                    help=f"longest wait in those queues, then 503 with Retry-After, env "
                         f"{ENV_NAMES['queue_timeout']} (default %(default)s)")
+    g.add_argument("--fork-abort-hold", type=float, default=d.fork_abort_hold, metavar="SECONDS",
+                   help=f"language side: an aborted room of an encoder built from the reference fork (which cannot be "
+                        f"told to stop) keeps its blocks until that encoder reports the round it owes, or this long, "
+                        f"env {ENV_NAMES['fork_abort_hold']} (default %(default)s)")
+    g.add_argument("--control-secret", default=d.control_secret, metavar="SECRET",
+                   help=f"shared secret both workers require on control messages and bootstrap routes (at least "
+                        f"16 characters; peers built from the reference fork cannot use it). Prefer the env "
+                        f"{ENV_NAMES['control_secret']}: a flag shows in the process list (default: off)")
     g.add_argument("--max-sleep", type=float, default=d.max_sleep, metavar="SECONDS",
                    help=f"a sleeping peer's rooms are kept this long, env {ENV_NAMES['max_sleep']} (default %(default)s)")
     g.add_argument("--checkpoint-dir", default=None,
@@ -87,6 +95,10 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                         "link-local or private addresses (refused by default)")
     m.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_PIXELS,
                    help="per image, from its header before decoding (default %(default)s)")
+    m.add_argument("--decode-memory-bytes", type=int, default=DEFAULT_DECODE_BYTES, metavar="BYTES",
+                   help="host memory for decoding and preprocessing images, all requests together, reserved from "
+                        "the image sizes before decoding (a request needing more: 413; others wait up to "
+                        f"--queue-timeout, then 503) (default %(default)s = {DEFAULT_DECODE_BYTES / 2**30:g} GiB)")
     m.add_argument("--image-max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="per image (default %(default)s)")
     m.add_argument("--image-fetch-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="http(s) images (default %(default)s)")
@@ -103,4 +115,4 @@ def connector_config(args: argparse.Namespace) -> ConnectorConfig:
         resume_timeout=args.resume_timeout, heartbeat_interval=args.heartbeat_interval,
         heartbeat_max_failures=args.heartbeat_max_failure, abort_ack_timeout=args.abort_ack_timeout,
         max_sleep=args.max_sleep, staging_bytes=args.staging_bytes, max_queued_requests=args.max_queued_requests,
-        queue_timeout=args.queue_timeout)
+        queue_timeout=args.queue_timeout, fork_abort_hold=args.fork_abort_hold, control_secret=args.control_secret)

@@ -6,6 +6,7 @@ import base64
 import http.server
 import io
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -211,6 +212,27 @@ def test_a_pixel_bomb_is_refused_from_its_header(tmp_path: Path) -> None:
 def test_urls_to_private_addresses_are_refused_by_default(url: str) -> None:
     with pytest.raises(ImageInputError, match="resolves to a non-public address; fetching it needs"):
         load_image(url, MediaPolicy())
+
+
+def test_a_fetch_goes_to_the_address_that_was_checked_not_a_second_dns_answer(image_server: str,
+                                                                              monkeypatch) -> None:
+    """DNS rebinding: the first answer is public, a second one would be loopback (where the
+    test server listens). The name is resolved once and the connection goes to the first."""
+    port = int(image_server.rsplit(":", 1)[1])
+    real = socket.getaddrinfo
+    answers = iter(["1.1.1.1", "127.0.0.1"])
+    lookups = []
+
+    def rebinding_dns(host, *args, **kwargs):
+        if host != "images.example":
+            return real(host, *args, **kwargs)
+        lookups.append(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (next(answers), port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding_dns)
+    with pytest.raises(ImageInputError):  # 1.1.1.1 does not serve the test's image (nor is reachable here)
+        load_image(f"http://images.example:{port}/ok.png", MediaPolicy(fetch_timeout=1))
+    assert lookups == ["images.example"]
 
 
 def test_domains_limit_fetches_and_every_redirect_is_checked_again(image_server: str) -> None:

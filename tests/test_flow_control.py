@@ -1,10 +1,11 @@
 """Flow control pieces in-process: the staging budget, blocks lent to rooms nobody asked for and
-taken back, pings that fence writes, an encode worker whose encoder fails. The real processes under load are in test_load.py."""
+taken back, pings that fence writes, an encode worker whose encoder fails, the decode budget. The real processes under load are in test_load.py."""
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from connector_peer import synthetic_embedding
@@ -21,9 +22,9 @@ from connector.messages import InitMsg, StatusMsg
 from connector.poll import KVPoll
 from connector.sender import EmbeddingSenderManager
 from connector.sleep import WorkerState
-from connector.staging import StagingBudget
-from embedding_side.encoders import FakeEncoder
-from embedding_side.images import MediaPolicy
+from connector.staging import ByteBudget
+from embedding_side.encoders import FakeEncoder, decode_bytes
+from embedding_side.images import MediaPolicy, open_image
 from embedding_side.worker import EncodeWorker
 
 
@@ -32,7 +33,7 @@ def granted(future: Future) -> bool:
 
 
 def test_staging_grants_in_arrival_order_within_the_budget() -> None:
-    budget = StagingBudget(100)
+    budget = ByteBudget(100)
     a, b, c = (budget.request(room, 40, urgent=False) for room in (1, 2, 3))
     assert granted(a) and granted(b) and not c.done() and budget.used == 80
     d = budget.request(4, 10, urgent=False)
@@ -42,7 +43,7 @@ def test_staging_grants_in_arrival_order_within_the_budget() -> None:
 
 
 def test_a_room_already_asked_for_is_granted_at_once_budget_or_not() -> None:
-    budget = StagingBudget(100)
+    budget = ByteBudget(100)
     budget.request(1, 100, urgent=False)
     waiting = budget.request(2, 50, urgent=False)
     assert budget.request(3, 70, urgent=True).done() and budget.used == 170
@@ -52,7 +53,7 @@ def test_a_room_already_asked_for_is_granted_at_once_budget_or_not() -> None:
 
 
 def test_a_request_larger_than_the_budget_waits_for_an_empty_one_then_goes_alone() -> None:
-    budget = StagingBudget(100)
+    budget = ByteBudget(100)
     budget.request(1, 10, urgent=False)
     big = budget.request(2, 500, urgent=False)
     assert not big.done()
@@ -61,7 +62,7 @@ def test_a_request_larger_than_the_budget_waits_for_an_empty_one_then_goes_alone
 
 
 def test_a_waiter_that_ends_gets_the_error_and_frees_its_place() -> None:
-    budget = StagingBudget(100)
+    budget = ByteBudget(100)
     budget.request(1, 90, urgent=False)
     first, second = budget.request(2, 50, urgent=False), budget.request(3, 10, urgent=False)
     budget.release(2, RuntimeError("aborted by language peer"))
@@ -76,7 +77,7 @@ def test_a_waiter_that_ends_gets_the_error_and_frees_its_place() -> None:
 
 
 def test_data_that_arrives_is_charged_what_it_really_takes() -> None:
-    budget = StagingBudget(100)
+    budget = ByteBudget(100)
     budget.request(1, 30, urgent=False)
     budget.settle(1, 32)
     budget.settle(2, 20)  # handed over without asking first
@@ -219,3 +220,53 @@ def test_a_sleep_that_fails_leaves_the_worker_awake_with_its_pool(encode_worker)
     assert asked_and_encoded(worker, raw, 9, image)["num_tokens"] == 256  # places and writes again
     assert raw.expect(room=9) == StatusMsg(9, KVPoll.Success, 256)
     wait_for(worker.allocator.all_free, 5, "the source blocks")
+
+
+class GatedEncoder(FakeEncoder):
+    """Holds each forward pass until ``go`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+
+    def encode(self, images):
+        assert self.go.wait(30), "the test never let the encoder go"
+        return super().encode(images)
+
+
+def test_decoding_waits_for_its_memory_in_arrival_order_and_never_exceeds_the_budget(raw_language, raw_pool,
+                                                                                     tmp_path) -> None:
+    transport, pool = raw_pool
+    raw = raw_language
+    raw.session = transport.session_id
+    image = str(tmp_path / "img.png")
+    make_image(896, 896, seed=4).save(image)
+    one = decode_bytes(open_image(image, MediaPolicy.create([str(tmp_path)])))
+    media = MediaPolicy.create([str(tmp_path)], decode_bytes=one * 3 // 2)  # room for one request at a time
+    worker = EncodeWorker(ConnectorConfig(num_blocks=100), GatedEncoder(), free_port(), media)
+    try:
+        raw.connect(worker.sender.rank_port)
+        raw.register(pool)
+        for room in (1, 2):
+            raw.send(InitMsg(room, "127.0.0.1", raw.port, raw.session, tuple(range(8 * room - 8, 8 * room)), 1, 1024))
+            wait_for(lambda r=room: worker.sender.asked_for(r), 5, "the init")
+
+        async def both() -> list:
+            return await asyncio.gather(*(worker.encode(f"rid{room}", room, [image], wait_for_delivery=False)
+                                          for room in (1, 2)), return_exceptions=True)
+
+        with ThreadPoolExecutor(1) as runner:
+            replies = runner.submit(asyncio.run, both())
+            wait_for(lambda: worker._queues()["decode_waiting"] == 1, 10, "the second request to wait")
+            assert worker._queues()["decode_bytes"] == one  # the first holds its share; nothing else is decoded
+            worker.encoder.go.set()
+            results = replies.result(timeout=30)
+        assert [r["num_tokens"] for r in results] == [1024, 1024], results
+        assert worker._queues()["decode_bytes"] == 0 and worker._queues()["decode_waiting"] == 0
+        with pytest.raises(TransferFailure, match="over the decode budget") as err:  # 413 before any decoding
+            asyncio.run(worker.encode("rid3", 3, [image, image], wait_for_delivery=False))
+        assert err.value.kind == FailureKind.TOO_LARGE
+        statuses = [raw.expect(), raw.expect()]
+        assert sorted((m.room, m.status) for m in statuses) == [(1, KVPoll.Success), (2, KVPoll.Success)]
+    finally:
+        worker.close()

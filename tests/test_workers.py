@@ -16,10 +16,13 @@ from pathlib import Path
 
 import pytest
 import requests
+import zmq
 from PIL import Image
 from transfer_large_image import make_image, run_request
 from workers import WorkerProcess
 
+from connector.bootstrap import fetch_route
+from connector.messages import InitMsg
 from embedding_side.encoders import QwenVisionEncoder
 from embedding_side.images import MediaPolicy, load_image
 
@@ -201,6 +204,34 @@ def test_hostile_media_and_json_get_400_at_once_and_the_worker_serves_on(tmp_pat
             resp = requests.post(url, data=nested, headers={"Content-Type": "application/json"}, timeout=30)
             assert resp.status_code == 400 and resp.json()["error"] == "body must be a JSON object"
         assert pair.request([str(media / "ok.png")])["match"]
+        assert_pools_free(pair)
+    finally:
+        pair.stop()
+
+
+def test_with_a_shared_secret_the_workers_serve_each_other_and_count_what_strangers_send(images) -> None:
+    secret = "worker-test-secret-0123456789"
+    env = {"SGLANG_EMBEDDING_CONTROL_SECRET": secret}
+    pair = Pair.of(WorkerProcess("encode", env=env), WorkerProcess("language", env=env))
+    try:
+        assert pair.request([images["4k"]])["match"]  # a resume round, every message signed
+        bootstrap = f"127.0.0.1:{pair.encode.bootstrap_port}"
+        route = fetch_route(bootstrap, 0, secret=secret.encode())
+        body = {"role": "Encode", "tp_size": 1, "dp_size": 1, "rank_ip": "127.0.0.1", "rank_port": 1, "engine_rank": 0}
+        assert requests.put(f"http://{bootstrap}/route", json=body, timeout=5).status_code == 401
+        ctx = zmq.Context()
+        stranger = ctx.socket(zmq.PUSH)
+        stranger.connect(f"tcp://127.0.0.1:{route.rank_port}")
+        stranger.send_multipart([b"garbage"])
+        stranger.send_multipart(InitMsg(5, "127.0.0.1", 1, "127.0.0.1:1", (0,), 1, 128).encode())
+        stranger.close(linger=1000)
+        ctx.term()
+        line = 'epd_rejected_messages_total{reason="unauthenticated",role="encode"} 2.0'
+        deadline = time.monotonic() + 10
+        while line not in (text := requests.get(f"{pair.encode.url}/metrics", timeout=5).text):
+            assert time.monotonic() < deadline, text
+            time.sleep(0.1)
+        assert pair.request([images["small"]])["match"]
         assert_pools_free(pair)
     finally:
         pair.stop()

@@ -1,0 +1,210 @@
+"""The control plane belongs to its owners: registers, aborts and resumes from strangers, route
+registration, the shared secret, and how rejected messages are counted and logged."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import requests
+import zmq
+from test_faults import start_room, wait_for
+from test_transfer import transfer
+
+from connector.auth import MAC_TAG, AuthError, sign, verify
+from connector.bootstrap import RankRoute, fetch_route
+from connector.messages import AbortMsg, InitMsg, RegisterMsg, ResumeMsg, StatusMsg
+from connector.poll import KVPoll
+from connector.receiver import receive_embedding
+from connector.rejections import Rejections
+from connector.zmq_link import MAX_SOCKETS, PushSockets
+
+SECRET = "a-test-secret-of-enough-length"
+
+
+def rejected(peer) -> dict[str, int]:
+    return peer.call("stats")["rejected"]
+
+
+def resume_and_match(receiver, expected: dict[str, str]) -> None:
+    """The owner resumes its partial room; what lands is what was staged."""
+    assert receiver.try_resume()
+    wait_for(lambda: receiver.poll() == KVPoll.Success, 30, "the owner's resume round")
+    emb = receiver.assemble()
+    try:
+        assert emb.digests() == expected
+    finally:
+        emb.release()
+
+
+def test_a_register_that_names_a_live_endpoint_is_dropped_and_its_owner_keeps_working(make_peer, make_language,
+                                                                                       raw_language) -> None:
+    peer, lang = make_peer(), make_language()
+    transfer(lang, peer, 1, 5000)
+    m, raw = lang.manager, raw_language
+    raw.connect(peer.info["rank_port"])
+    # Before: every later request of the real worker failed with "session ... never registered".
+    raw.send(RegisterMsg(m.config.host, m.rank_port, "127.0.0.1:1", m.pool.base_ptrs, 1, m.pool.num_blocks,
+                         m.pool.item_lens))
+    wait_for(lambda: rejected(peer).get("register_takeover") == 1, 10, "the impostor's session to be dropped")
+    transfer(lang, peer, 2, 10_000)  # one resume round, from the real session
+
+
+def test_a_new_session_answering_from_the_same_endpoint_ends_the_old_sessions_rooms(make_peer, raw_language,
+                                                                                   raw_pool) -> None:
+    """A real restart: the process at the endpoint now answers as its new session."""
+    (transport, pool), raw = raw_pool, raw_language
+    peer = make_peer()
+    raw.connect(peer.info["rank_port"])
+    peer.call("stage", room=1, tokens=3000, seed=1)
+    raw.session = transport.session_id
+    raw.register(pool)
+    raw.send(InitMsg(1, "127.0.0.1", raw.port, raw.session, tuple(range(8)), 1, 1024))
+    assert raw.expect(room=1) == StatusMsg(1, KVPoll.WaitingForInput, 0, "", 3000)  # the total, announced
+    assert raw.expect(room=1) == StatusMsg(1, KVPoll.Transferring, 1024)  # now it waits for a resume
+    raw.session = "127.0.0.1:2"  # restarted: same endpoint, new Mooncake session
+    raw.register(pool)
+    assert raw.recv(2.0) is None  # only pings come, answered as the new session
+    assert raw.pings >= 2
+    wait_for(lambda: "restarted" in peer.call("status", room=1)["reason"], 10, "the old session's room to fail")
+    assert "register_takeover" not in rejected(peer)
+
+
+def test_an_abort_or_resume_from_a_stranger_changes_nothing(make_peer, make_language, raw_language, raw_pool) -> None:
+    (_, pool), raw = raw_pool, raw_language
+    peer, lang = make_peer(), make_language()
+    expected = peer.call("stage", room=1, tokens=20_000, seed=1)["digests"]
+    receiver = start_room(lang, peer, 1, 64)  # 8192 tokens: partial, then it waits for our resume
+    wait_for(lambda: receiver.poll() == KVPoll.Transferring, 30, "the first round")
+    raw.connect(peer.info["rank_port"])
+    raw.send(AbortMsg(1, "127.0.0.1", raw.port, 1))  # unregistered
+    raw.session = "127.0.0.1:3"
+    raw.register(pool)
+    raw.send(AbortMsg(1, "127.0.0.1", raw.port, 1))  # registered, but not the room's destination
+    raw.send(ResumeMsg(1, "127.0.0.1", raw.port, raw.session, tuple(range(100)), 1, 8192, 12_800))
+    reply = raw.expect(room=1)
+    assert reply.status == KVPoll.Failed and "did not init it" in reply.reason
+    wait_for(lambda: rejected(peer).get("not_owner") == 3, 10, "three refusals")
+    assert peer.call("status", room=1)["status"] == "Transferring"
+    resume_and_match(receiver, expected)
+
+
+def test_route_registration_over_http_is_refused_without_a_secret(make_peer) -> None:
+    peer = make_peer()
+    body = {"role": "Encode", "tp_size": 1, "dp_size": 1, "rank_ip": "10.9.9.9", "rank_port": 1, "engine_rank": 0}
+    reply = requests.put(f"http://{peer.bootstrap_addr}/route", json=body, timeout=5)
+    assert reply.status_code == 403 and "shared secret" in reply.text
+    assert fetch_route(peer.bootstrap_addr, 0) == RankRoute("127.0.0.1", peer.info["rank_port"])
+
+
+def test_with_a_shared_secret_only_messages_and_lookups_that_prove_it_act(make_peer, make_language, raw_language,
+                                                                            raw_pool) -> None:
+    (transport, pool), raw = raw_pool, raw_language
+    peer, lang = make_peer(control_secret=SECRET), make_language(control_secret=SECRET)
+    transfer(lang, peer, 1, 10_000)  # signed both ways, with a resume round
+    with pytest.raises(ConnectionError, match="401"):  # a language side without it cannot look the route up
+        fetch_route(peer.bootstrap_addr, 2)
+    url = f"http://{peer.bootstrap_addr}/route"
+    body = {"role": "Encode", "tp_size": 1, "dp_size": 1, "rank_ip": "127.0.0.1", "rank_port": 1, "engine_rank": 0}
+    assert requests.put(url, json=body, timeout=5).status_code == 401
+    assert requests.put(url, json=body, timeout=5, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert fetch_route(peer.bootstrap_addr, 2, secret=SECRET.encode()).rank_port == peer.info["rank_port"]
+    raw.connect(peer.info["rank_port"])
+    raw.session = transport.session_id
+    peer.call("stage", room=3, tokens=500, seed=3)
+    raw.register(pool)  # unsigned: dropped
+    raw.send(InitMsg(3, "127.0.0.1", raw.port, raw.session, (0,), 1, 128))
+    init = InitMsg(3, "127.0.0.1", raw.port, raw.session, (0,), 1, 128).encode()
+    raw.push.send_multipart(sign(init, b"another-secret-of-enough-length"))
+    raw.push.send_multipart([b"x", MAC_TAG + b"1" * 400 + b" ab"])  # once stopped the PULL loop
+    assert raw.recv(2.0) is None  # no answer, no ping: nothing of it was taken
+    assert rejected(peer) == {"unauthenticated": 4}
+    assert peer.call("status", room=3)["status"] == "Bootstrapping"
+    with pytest.raises(ConnectionError):  # no write and no route for the room without the secret
+        receive_embedding(make_language().manager, peer.bootstrap_addr, 3, timeout=5)
+    emb, _ = receive_embedding(lang.manager, peer.bootstrap_addr, 3, timeout=30)
+    emb.release()
+
+
+def test_rejections_are_counted_by_reason_and_logged_at_most_burst_per_window(caplog) -> None:
+    rejections = Rejections(logging.getLogger("test-rejections"), window=0.2, burst=3)
+    with caplog.at_level(logging.WARNING, "test-rejections"):
+        for i in range(100):
+            rejections.reject("malformed", f"message {i}")
+        assert [r.getMessage() for r in caplog.records] == [f"rejected message (malformed): message {i}"
+                                                            for i in range(3)]
+        time.sleep(0.25)
+        rejections.reject("malformed", "later")
+        assert [r.getMessage() for r in caplog.records[3:]] == [
+            "97 more messages rejected (malformed) in the last 0.2s were not logged",
+            "rejected message (malformed): later"]
+    assert rejections.snapshot() == {"malformed": 101}
+    with pytest.raises(ValueError, match="unknown rejection reason"):  # metric labels stay a fixed set
+        rejections.reject("made up", "x")
+
+
+def test_a_suspended_room_is_resumed_only_by_its_owner(make_peer, make_language, raw_language, raw_pool) -> None:
+    (transport, pool), raw = raw_pool, raw_language
+    peer, lang = make_peer(), make_language()
+    expected = peer.call("stage", room=1, tokens=20_000, seed=1)["digests"]
+    receiver = start_room(lang, peer, 1, 64)
+    wait_for(lambda: receiver.poll() == KVPoll.Transferring, 30, "the first round")
+    lang.manager.suspend_all([receiver], timeout=10)  # the language worker goes to sleep
+    saved = receiver.checkpoint()
+    raw.connect(peer.info["rank_port"])
+    raw.session = transport.session_id
+    raw.register(pool)
+    raw.send(ResumeMsg(1, "127.0.0.1", raw.port, raw.session, tuple(range(100)), 1, 8192, 12_800))
+    reply = raw.expect(room=1)  # no data, and no progress told to a stranger
+    assert reply.status == KVPoll.Failed and "did not init it" in reply.reason and "8192" not in reply.reason
+    assert not pool.embeddings.any()
+    resume_and_match(lang.manager.restore(saved), expected)  # the owner wakes up and goes on
+
+
+def test_a_fork_peer_gets_only_fork_frames_even_when_a_stranger_registers_its_address(make_peer, raw_language,
+                                                                                     raw_pool) -> None:
+    (transport, pool), raw = raw_pool, raw_language
+    peer = make_peer()
+    raw.connect(peer.info["rank_port"])
+    raw.session = transport.session_id
+    raw.register(pool, fork=True)
+    stranger = RegisterMsg("127.0.0.1", raw.port, "127.0.0.1:7", pool.base_ptrs, 5, pool.num_blocks, pool.item_lens)
+    raw.send(stranger)
+    raw.send(AbortMsg(9, "127.0.0.1", raw.port, 5))  # an ack would kill the fork peer's thread
+    peer.call("stage", room=1, tokens=10_000, seed=1)
+    raw.send(InitMsg(1, "127.0.0.1", raw.port, raw.session, tuple(range(64)), 1, 8192))
+    assert raw.expect(room=1) == StatusMsg(1, KVPoll.Transferring)  # two frames: no total announced early
+    raw.send(ResumeMsg(1, "127.0.0.1", raw.port, raw.session, tuple(range(64, 79)), 1, 8192, 1920))
+    assert raw.expect(room=1) == StatusMsg(1, KVPoll.Success)
+    assert raw.pings == 0 and raw.recv(1.0) is None  # no ping, no ack
+    old_pool = tuple(p - (1 << 30) for p in pool.base_ptrs)  # the pool it had before a wake-up
+    raw.send(RegisterMsg("127.0.0.1", raw.port, "127.0.0.1:7", old_pool, 4, pool.num_blocks, pool.item_lens))
+    wait_for(lambda: rejected(peer).get("register_conflict") == 1, 5, "the replayed older register to be refused")
+
+
+def test_the_mac_check_refuses_what_it_cannot_verify_without_raising() -> None:
+    secret = SECRET.encode()
+    frames = [b"1", b"2"]
+    assert verify(sign(frames, secret), secret) == frames
+    assert verify(sign(frames, secret), b"") == frames  # without a secret the frame is ignored
+    bad = {"missing": frames, "huge stamp": [*frames, MAC_TAG + b"1" * 400 + b" ab"],
+           "not a number": [*frames, MAC_TAG + b"x1 ab"], "no digest": [*frames, MAC_TAG + b"1"],
+           "other frames": [b"1", b"3", sign(frames, secret)[-1]],
+           "wrong secret": sign(frames, b"another-secret-of-enough-length")}
+    for what, message in bad.items():
+        with pytest.raises(AuthError):
+            verify(message, secret)
+            pytest.fail(f"{what}: accepted")
+
+
+def test_push_sockets_stay_under_the_zmq_limit_whatever_addresses_messages_name() -> None:
+    ctx = zmq.Context()
+    push = PushSockets(ctx)
+    try:
+        for port in range(20_000, 20_000 + 3 * MAX_SOCKETS):  # nobody listens: the sends just queue
+            push.send("127.0.0.1", port, [b"x"])
+        assert len(push._sockets) == MAX_SOCKETS < ctx.get(zmq.MAX_SOCKETS)
+    finally:
+        push.close()
+        ctx.term()
