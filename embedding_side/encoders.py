@@ -164,7 +164,14 @@ class QwenVisionEncoder:
                 raise ValueError(f"{self.model_path}: vision weights missing {len(missing)} tensors, e.g. {missing[:3]}")
             if unexpected:
                 log.warning("%s: ignoring %d unexpected vision tensors", self.model_path, len(unexpected))
-        return model.to(device=self.device, dtype=torch.bfloat16).eval()
+        # Weights in bf16; buffers (the rotary frequencies) stay float32, as transformers loads
+        # them: rounded to bf16 they shift every position's angle and the output with it.
+        float32_buffers = [(module, name, buffer.clone()) for module in model.modules()
+                           for name, buffer in module._buffers.items() if buffer is not None]
+        model = model.to(device=self.device, dtype=torch.bfloat16)
+        for module, name, buffer in float32_buffers:
+            module._buffers[name] = buffer.to(self.device)
+        return model.eval()
 
     def offload(self, level: int) -> None:
         if level == 1:
@@ -205,7 +212,7 @@ def write_builtin_checkpoint(folder: str | Path, seed: int = 0) -> Path:
 
 def _load_checkpoint(path: Path) -> tuple[dict, dict]:
     """The vision config and the vision tower's tensors of a Qwen2.5-VL checkpoint folder."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -218,11 +225,12 @@ def _load_checkpoint(path: Path) -> tuple[dict, dict]:
     if not files:
         raise ValueError(f"--model-path {path}: no *.safetensors files")
     state = {}
-    for file in files:
-        for key, value in load_file(file).items():
-            for prefix in ("model.visual.", "visual."):
-                if key.startswith(prefix):
-                    state[key[len(prefix):]] = value
+    for file in files:  # only the tower's tensors are read: the language model's stay on disk
+        with safe_open(file, "pt") as shard:
+            for key in shard.keys():
+                for prefix in ("model.visual.", "visual."):
+                    if key.startswith(prefix):
+                        state[key[len(prefix):]] = shard.get_tensor(key)
     if not state:
         raise ValueError(f"--model-path {path}: no vision tower tensors (keys starting with 'visual.')")
     return vision, state

@@ -1,0 +1,133 @@
+"""The language model of a Qwen2.5-VL checkpoint, without its vision tower: transformers' own
+``Qwen2_5_VLTextModel`` plus the output head, in the checkpoint's dtype.
+
+Only the language model's tensors are read from the safetensors shards (real checkpoints
+name them ``model.*``, transformers 5 saves ``model.language_model.*``; both load). Prefill
+takes the prompt's token ids with the received image embedding scattered into the image rows
+and explicit M-RoPE positions (:mod:`language_side.prompt`); each decode step continues at
+``cache length + delta`` on all three axes. Every request has its own KV cache object, so
+nothing is shared between requests on the model (transformers' ``rope_deltas`` is never used).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from transformers import DynamicCache, Qwen2_5_VLConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding, Qwen2_5_VLTextModel
+
+from language_side.prompt import Prompt
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Sequence:
+    """One request's state in the model: its KV cache and where decoding goes on."""
+
+    cache: DynamicCache
+    delta: int  # position of the next token = cache length + delta
+    last_logits: torch.Tensor = field(repr=False)  # float32 [vocab], after the last token fed
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+
+class LanguageModel:
+    def __init__(self, folder: str | Path, device: str = "cpu") -> None:
+        folder = Path(folder)
+        config = Qwen2_5_VLConfig.from_pretrained(folder)
+        text = config.text_config
+        text._attn_implementation = "sdpa"
+        self.config, self.text_config, self.device = config, text, torch.device(device)
+        self.dtype = _DTYPES.get(str(getattr(text, "dtype", None) or _checkpoint_dtype(folder)).replace("torch.", ""),
+                                 torch.bfloat16)
+        self.hidden_size, self.vocab_size = text.hidden_size, text.vocab_size
+        self.max_length = int(text.max_position_embeddings)
+        self.image_token_id = int(config.image_token_id)
+        with torch.device("meta"):  # no memory until the checkpoint's tensors are assigned
+            self.model = Qwen2_5_VLTextModel(text)
+            self.lm_head = torch.nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        body, head = _language_tensors(folder, tie=bool(config.tie_word_embeddings))
+        self.model.load_state_dict({k: v.to(self.device, self.dtype) for k, v in body.items()}, strict=True, assign=True)
+        self.lm_head.load_state_dict({"weight": head.to(self.device, self.dtype)}, strict=True, assign=True)
+        with torch.device(self.device):  # non-persistent float32 buffers (rotary frequencies), built for real
+            self.model.rotary_emb = Qwen2_5_VLRotaryEmbedding(config=text)
+        self.model.eval()
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Prompt, image_rows: np.ndarray | None) -> Sequence:
+        """Run the prompt; ``image_rows`` is the received embedding as bf16 bytes ``[n, hidden*2]``
+        (or None for a text-only prompt), ``n`` equal to the prompt's image tokens."""
+        ids = torch.from_numpy(prompt.input_ids).to(self.device)[None]
+        embeds = self.model.embed_tokens(ids)
+        if prompt.image_tokens:
+            if image_rows is None or image_rows.shape != (prompt.image_tokens, self.hidden_size * 2):
+                got = None if image_rows is None else image_rows.shape
+                raise ValueError(f"the prompt has {prompt.image_tokens} image tokens of width {self.hidden_size}; "
+                                 f"the embedding is {got} bytes")
+            rows = torch.from_numpy(np.ascontiguousarray(image_rows)).view(torch.bfloat16).to(self.device, self.dtype)
+            embeds[0, torch.from_numpy(prompt.image_mask).to(self.device)] = rows
+        cache = DynamicCache(config=self.text_config)
+        positions = torch.from_numpy(prompt.positions).to(self.device)[:, None, :]
+        out = self.model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
+        return Sequence(cache, prompt.delta, self._logits(out.last_hidden_state[0, -1]))
+
+    @torch.inference_mode()
+    def decode(self, seq: Sequence, token: int) -> None:
+        """Feed one generated token; ``seq.last_logits`` is then the next token's."""
+        ids = torch.tensor([[token]], device=self.device)
+        position = torch.full((3, 1, 1), seq.length + seq.delta, device=self.device)
+        out = self.model(input_ids=ids, position_ids=position, past_key_values=seq.cache, use_cache=True)
+        seq.last_logits = self._logits(out.last_hidden_state[0, -1])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def greedy(model: LanguageModel, prompt: Prompt, image_rows: np.ndarray | None, max_new_tokens: int,
+           stop_ids: set[int]) -> list[int]:
+    """Greedy decoding of one request, token by token (the reference loop the engine batches)."""
+    seq = model.prefill(prompt, image_rows)
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        token = int(seq.last_logits.argmax())
+        out.append(token)
+        if token in stop_ids or len(out) == max_new_tokens:
+            break
+        model.decode(seq, token)
+    return out
+
+
+def _checkpoint_dtype(folder: Path) -> str:
+    config = json.loads((folder / "config.json").read_text())
+    return str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+
+
+def _language_tensors(folder: Path, tie: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The text model's tensors (names as ``Qwen2_5_VLTextModel`` has them) and the head's."""
+    body: dict[str, torch.Tensor] = {}
+    head = None
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder}: no *.safetensors files")
+    for file in files:
+        with safe_open(file, "pt") as shard:
+            for key in shard.keys():
+                if key == "lm_head.weight":
+                    head = shard.get_tensor(key)
+                elif key.startswith("model.language_model."):
+                    body[key[len("model.language_model."):]] = shard.get_tensor(key)
+                elif key.startswith("model.") and not key.startswith("model.visual."):
+                    body[key[len("model."):]] = shard.get_tensor(key)
+    if head is None and tie:
+        head = body.get("embed_tokens.weight")
+    if head is None or not body:
+        raise ValueError(f"{folder}: no language model tensors (model.* and lm_head.weight)")
+    return body, head

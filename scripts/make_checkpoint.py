@@ -1,0 +1,126 @@
+"""Write a complete seeded Qwen2.5-VL checkpoint folder: vision tower, language model, an offline
+tokenizer with Qwen's special tokens and a chat template, and the image preprocessor config.
+
+Nothing can be downloaded here, so this folder stands in for a real checkpoint on both workers
+(the encode worker loads its vision tower, the language worker its language model and
+tokenizer). The weights are random (seeded): generated text means nothing, but tokens are
+exact, so the disaggregated path can be compared with transformers' monolithic model.
+
+    python scripts/make_checkpoint.py /tmp/qwen-seeded [--hidden-size 2048] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from embedding_side.encoders import MAX_PIXELS, MERGE, MIN_PIXELS, PATCH, TEMPORAL, small_tower_config  # noqa: E402
+
+# Qwen's special tokens, in the order they get ids after the 256 byte tokens.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>")
+VOCAB_SIZE = 512  # 256 bytes + the special tokens, rounded up (the model's table covers every id)
+
+# Chat messages -> prompt, as Qwen2.5-VL lays them out: each turn in <|im_start|>role ...
+# <|im_end|>, each image part as one vision_start / image_pad / vision_end placeholder (the
+# language side expands the pad to the image's token count).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' or part['type'] == 'image_url' -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def byte_symbols() -> list[str]:
+    """One printable character per byte value (the byte-level BPE convention): printable
+    Latin-1 bytes stand for themselves, the rest are shifted past 255."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols, shift = {}, 0
+    for b in range(256):
+        if b in keep:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + shift)
+            shift += 1
+    return [symbols[b] for b in range(256)]
+
+
+def write_tokenizer(folder: Path) -> dict[str, int]:
+    """A byte-level tokenizer (every byte one token, no merges) plus the special tokens, saved
+    so ``AutoTokenizer.from_pretrained(folder)`` loads it; returns the special tokens' ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {symbol: i for i, symbol in enumerate(byte_symbols())}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        model_max_length=32768)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    assert list(ids.values()) == list(range(256, 256 + len(SPECIAL_TOKENS))), ids
+    return ids
+
+
+def model_config(hidden_size: int, ids: dict[str, int]) -> dict:
+    """A small Qwen2.5-VL: the vision tower the encode worker builds by default, and a language
+    model of one layer whose width is the tower's output width."""
+    heads = hidden_size // 128  # head_dim 128, as in Qwen2.5-VL-3B/7B
+    text = {"vocab_size": VOCAB_SIZE, "hidden_size": hidden_size, "intermediate_size": 512, "num_hidden_layers": 1,
+            "num_attention_heads": heads, "num_key_value_heads": 4 if heads % 4 == 0 else heads,
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [16, 24, 24]},
+            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"]}
+    return {"text_config": text, "vision_config": small_tower_config(hidden_size),
+            "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+            "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+            "tie_word_embeddings": False}
+
+
+def write_checkpoint(folder: str | Path, hidden_size: int = 3584, seed: int = 0) -> Path:
+    """The whole folder: config.json, model.safetensors (bf16), tokenizer files, chat template,
+    preprocessor_config.json."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    if hidden_size % 128:
+        raise ValueError(f"hidden size {hidden_size} must be a multiple of 128 (head_dim 128)")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(folder)
+    config = Qwen2_5_VLConfig(**model_config(hidden_size, ids))
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    preprocessor = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": PATCH, "merge_size": MERGE,
+                    "temporal_patch_size": TEMPORAL, "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
+                    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                    "image_std": [0.26862954, 0.26130258, 0.27577711], "do_resize": True, "do_rescale": True,
+                    "do_normalize": True, "do_convert_rgb": True, "rescale_factor": 1 / 255}
+    (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=1))
+    return folder
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder")
+    ap.add_argument("--hidden-size", type=int, default=3584, help="language width = vision output (default 3584)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(write_checkpoint(args.folder, args.hidden_size, args.seed))
