@@ -1,0 +1,205 @@
+"""The generation engine: requests in, tokens out, one step at a time, over a KV budget.
+
+Interface (what another backend, e.g. SGLang's ``Engine`` on a GPU, would implement): ``add``,
+``step``, ``abort``, and the explicit per-request state below (phase, tokens so far, sampler
+state, KV cache) that a snapshot needs.
+
+A step: first every waiting request whose KV fits the budget is prefilled (in arrival order)
+and gets its first token; then every request that was already running decodes one token. So a
+new request's first token never waits for more than the step under way plus its own prefill,
+however long the others run. Each request keeps its own KV cache and decodes with its own
+forward pass: the scheduling is batched, the arithmetic is exactly that of the request alone
+(padding requests of different lengths into one batch changes bf16 results).
+
+KV budget: a request reserves ``prompt + max_new_tokens`` tokens when it is admitted and gives
+them back when it ends; one that could never fit is refused when added.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import secrets
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from language_side.model import LanguageModel, Sequence
+from language_side.prompt import Prompt
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # added; waits for KV budget
+    RUNNING = "running"  # prefilled; decodes one token per step
+    FINISHED = "finished"  # stop token, stop string or length; KV given back
+    ABORTED = "aborted"  # ended by abort; KV given back
+
+
+TRANSITIONS = {
+    Phase.WAITING: {Phase.RUNNING, Phase.FINISHED, Phase.ABORTED},  # FINISHED: max_new_tokens 1 at prefill
+    Phase.RUNNING: {Phase.FINISHED, Phase.ABORTED},
+    Phase.FINISHED: set(),
+    Phase.ABORTED: set(),
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all tokens
+    seed: int | None = None  # sampling is deterministic per request given a seed
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def check(self) -> None:
+        """ValueError naming the bad field (the API answers 400 with it)."""
+        if not 1 <= self.max_new_tokens <= 1 << 20:
+            raise ValueError(f"max_new_tokens must be in 1..{1 << 20}, got {self.max_new_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 (all) or positive, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in 0..2**63-1, got {self.seed}")
+        if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
+            raise ValueError("stop must be at most 16 non-empty strings of at most 256 characters")
+        if len(self.stop_token_ids) > 64:
+            raise ValueError("stop_token_ids must hold at most 64 ids")
+
+
+@dataclass
+class GenRequest:
+    rid: str
+    prompt: Prompt
+    image_rows: np.ndarray | None  # the received embedding, bf16 bytes [image tokens, hidden * 2]
+    params: SamplingParams
+    phase: Phase = Phase.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" or "length" once finished, "abort" once aborted
+    seq: Sequence | None = field(default=None, repr=False)
+    generator: torch.Generator = field(default_factory=torch.Generator, repr=False)
+
+    @property
+    def kv_tokens(self) -> int:
+        """What it reserves: the prompt and every token it may generate."""
+        return len(self.prompt.input_ids) + self.params.max_new_tokens
+
+    def move(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise AssertionError(f"{self.rid}: no transition {self.phase.name} -> {phase.name}")
+        self.phase = phase
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    rid: str
+    token: int  # generated in this step
+    finish_reason: str | None  # set on the request's last token
+
+
+class Engine:
+    def __init__(self, model: LanguageModel, tokenizer, kv_budget_tokens: int, eos_ids: set[int]) -> None:
+        if kv_budget_tokens <= 0:
+            raise ValueError(f"the KV budget must be positive, got {kv_budget_tokens}")
+        self.model, self.tokenizer, self.eos_ids = model, tokenizer, set(eos_ids)
+        self.kv_budget, self.kv_used = kv_budget_tokens, 0
+        self.waiting: collections.deque[GenRequest] = collections.deque()
+        self.running: dict[str, GenRequest] = {}
+
+    def add(self, req: GenRequest) -> None:
+        req.params.check()
+        if req.kv_tokens > self.kv_budget:
+            raise ValueError(f"{req.rid}: {len(req.prompt.input_ids)} prompt tokens + {req.params.max_new_tokens} new "
+                             f"tokens need {req.kv_tokens} KV tokens; the budget is {self.kv_budget}")
+        if req.rid in self.running or any(w.rid == req.rid for w in self.waiting):
+            raise ValueError(f"request {req.rid!r} is already in the engine")
+        req.generator.manual_seed(req.params.seed if req.params.seed is not None else secrets.randbits(63))
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        """End a request in any phase; its KV comes back at once."""
+        req = self.running.pop(rid, None) or next((w for w in self.waiting if w.rid == rid), None)
+        if req is None:
+            return False
+        if req.phase == Phase.WAITING:
+            self.waiting.remove(req)
+        self._end(req, Phase.ABORTED, "abort")
+        return True
+
+    def step(self) -> list[StepOutput]:
+        """Prefill what fits, then one decode step for the rest; every token generated."""
+        outputs = []
+        prefilled = []
+        while self.waiting and self.kv_used + self.waiting[0].kv_tokens <= self.kv_budget:
+            req = self.waiting.popleft()
+            self.kv_used += req.kv_tokens
+            req.seq = self.model.prefill(req.prompt, req.image_rows)
+            req.move(Phase.RUNNING)
+            self.running[req.rid] = req
+            prefilled.append(req)
+            outputs.append(self._emit(req))
+        for req in list(self.running.values()):
+            if req in prefilled:
+                continue
+            assert req.seq is not None
+            self.model.decode(req.seq, req.output_ids[-1])
+            outputs.append(self._emit(req))
+        return outputs
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _emit(self, req: GenRequest) -> StepOutput:
+        """Sample the request's next token from its last logits; end it if that was its last."""
+        assert req.seq is not None
+        token = sample(req.seq.last_logits, req.params, req.generator)
+        req.output_ids.append(token)
+        reason = self._finish_reason(req, token)
+        if reason is not None:
+            del self.running[req.rid]
+            self._end(req, Phase.FINISHED, reason)
+        return StepOutput(req.rid, token, reason)
+
+    def _finish_reason(self, req: GenRequest, token: int) -> str | None:
+        if token in self.eos_ids or token in req.params.stop_token_ids:
+            return "stop"
+        if req.params.stop:
+            longest = max(len(s) for s in req.params.stop)
+            # The tail decoded from enough tokens to hold any stop string (a token is >= 1 char).
+            tail = self.tokenizer.decode(req.output_ids[-(longest + 8):])
+            if any(s in tail for s in req.params.stop):
+                return "stop"
+        if len(req.output_ids) >= req.params.max_new_tokens:
+            return "length"
+        return None
+
+    def _end(self, req: GenRequest, phase: Phase, reason: str) -> None:
+        if req.phase == Phase.RUNNING:  # admitted: its reservation comes back
+            self.kv_used -= req.kv_tokens
+        req.move(phase)
+        req.finish_reason, req.seq = reason, None  # the KV cache goes with it
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from float32 logits ``[vocab]``: greedy at temperature 0, else top-k, then
+    top-p (the smallest set of most likely tokens whose probability reaches it), then a draw
+    from the request's own generator."""
+    if params.temperature == 0.0:
+        return int(logits.argmax())
+    scaled = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p  # mass before it already enough
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
