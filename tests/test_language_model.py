@@ -1,19 +1,25 @@
 """The language side's model against transformers' monolithic Qwen2.5-VL on the same checkpoint
-folder: our encoder's embedding, sent as bf16 bytes, spliced into our prompt, decoded by our
-loop, gives the tokens ``Qwen2_5_VLForConditionalGeneration.generate`` gives from the pixels."""
+folder: our encoder's embedding, sent as bf16 bytes (in process, and through a real encode
+worker and the connector with resume rounds), spliced into our prompt, decoded by our loop,
+gives the tokens ``Qwen2_5_VLForConditionalGeneration.generate`` gives from the pixels."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
+import requests
 import torch
 from make_checkpoint import write_checkpoint
 from transfer_large_image import make_image
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+from workers import WorkerProcess
 
+from connector.receiver import receive_embedding
 from embedding_side.encoders import QwenVisionEncoder
 from language_side.model import LanguageModel, greedy
 from language_side.prompt import IMAGE_PLACEHOLDER as P
-from language_side.prompt import build_prompt
+from language_side.prompt import build_prompt, grids_from_positions
 
 NEW_TOKENS = 24
 
@@ -82,3 +88,39 @@ def test_an_embedding_of_the_wrong_size_is_refused(sides) -> None:
     prompt = build_prompt(tokenizer, f"{P}", [(1, 32, 32)], lm.max_length)  # 256 tokens expected
     with pytest.raises(ValueError, match="the prompt has 256 image tokens of width 3584; the embedding is"):
         lm.prefill(prompt, encoded.embeddings[:100])
+
+
+@pytest.mark.parametrize("sizes, text", [
+    ([(3840, 2160)], f"<|im_start|>user\n{P}What is in the picture?<|im_end|>\n<|im_start|>assistant\n"),
+    ([(448, 448), (1024, 1024), (640, 480), (448, 336)], f"One {P} two {P} three {P} and four {P}: compare."),
+], ids=["4k", "4-images"])
+def test_through_the_wire_with_a_resume_round_the_tokens_equal_the_monolithic_model(
+        folder, sides, monolithic, make_language, tmp_path, sizes, text) -> None:
+    """A real encode worker process on the folder's tower -> Mooncake with resume rounds -> our
+    receiver; the grids come from the positions on the wire; our prompt, model and engine loop."""
+    encoder, lm, tokenizer = sides
+    images = [make_image(w, h, seed=i + 3) for i, (w, h) in enumerate(sizes)]
+    paths = []
+    for i, image in enumerate(images):
+        paths.append(str(tmp_path / f"{i}.png"))
+        image.save(paths[-1])
+    encode = WorkerProcess("encode", "--model-path", folder)
+    try:
+        lang = make_language(num_blocks=128, default_allocate_tokens=2048)  # forces resume rounds
+        bootstrap = f"127.0.0.1:{encode.bootstrap_port}"
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(requests.post, f"{encode.url}/encode",
+                               json={"rid": "w", "bootstrap_room": 9, "images": paths}, timeout=300)
+            emb, receiver = receive_embedding(lang.manager, bootstrap, 9, timeout=300)
+            assert sent.result().status_code == 200, sent.result().text
+        try:
+            assert receiver.resume_rounds >= 1
+            grids = grids_from_positions(emb.mrope_positions)
+            prompt = build_prompt(tokenizer, text, grids, lm.max_length)
+            ours = greedy(lm, prompt, emb.embeddings, NEW_TOKENS, {tokenizer.eos_token_id})
+        finally:
+            emb.release()
+    finally:
+        assert encode.stop() == 0
+    assert grids == [tuple(g) for g in encoder.processor(images=images, return_tensors="pt")["image_grid_thw"].tolist()]
+    assert ours == reference_tokens(monolithic, encoder, tokenizer, text, images)
