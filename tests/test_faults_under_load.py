@@ -130,7 +130,13 @@ def test_an_encoder_frozen_under_load_fails_its_rooms_and_claims_no_success_afte
             assert r["encode_status"] != 200, f"the encoder claimed a delivery its peer gave up on: {r}"
         check_delivered(results, load_set)
         assert_pools_free(pair, timeout=20)  # the language side's blocks wait for the encoder's acks
-        assert pair.request([load_set[2][0]])["match"]
+        # The resumed encoder serves again. Its backlog can still make a 0.5 s probe miss on a
+        # loaded machine (then the request fails "is dead", as it should): a few tries, all shown.
+        tries = []
+        while len(tries) < 3 and not (tries and tries[-1]["match"]):
+            time.sleep(1.0 if tries else 0.0)
+            tries.append(pair.request([load_set[2][0]]))
+        assert tries[-1]["match"], tries
     finally:
         stop(pair)
 
