@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
 import ipaddress
 import os
 import socket
 import stat
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,10 +211,11 @@ def _http(url: str, policy: MediaPolicy) -> bytes:
         raise ImageInputError(f"{describe(url)}: unreachable ({type(exc).__name__})") from None
 
 
-def _get(url: str, connect_to: str, policy: MediaPolicy) -> urllib3.BaseHTTPResponse:
+@contextlib.contextmanager
+def _get(url: str, connect_to: str, policy: MediaPolicy) -> Iterator[urllib3.BaseHTTPResponse]:
     """GET ``url`` over a connection to ``connect_to`` (an address or the URL's own host): the
     Host header, TLS server name and certificate check still use the URL's host. No proxy, no
-    redirect followed, nothing read yet."""
+    redirect followed, nothing read yet; the connection is closed on leaving."""
     parts = urllib.parse.urlsplit(url)
     pool_args = {"host": connect_to, "port": _port(parts), "retries": False,
                  "timeout": urllib3.Timeout(connect=policy.fetch_timeout, read=policy.fetch_timeout)}
@@ -223,8 +226,9 @@ def _get(url: str, connect_to: str, policy: MediaPolicy) -> urllib3.BaseHTTPResp
     else:
         pool = urllib3.HTTPConnectionPool(**pool_args)
     target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
-    return pool.urlopen("GET", target, headers={"Host": parts.netloc.rpartition("@")[2]}, redirect=False,
-                        preload_content=False, release_conn=True)
+    with pool, pool.urlopen("GET", target, headers={"Host": parts.netloc.rpartition("@")[2]}, redirect=False,
+                            preload_content=False, release_conn=True) as resp:
+        yield resp
 
 
 def _data_uri(ref: str, max_bytes: int) -> bytes:

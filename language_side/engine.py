@@ -134,17 +134,17 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Prefill what fits, then one decode step for the rest; every token generated."""
         outputs = []
-        prefilled = []
+        prefilled: set[str] = set()
         while self.waiting and self.kv_used + self.waiting[0].kv_tokens <= self.kv_budget:
             req = self.waiting.popleft()
             self.kv_used += req.kv_tokens
             req.seq = self.model.prefill(req.prompt, req.image_rows)
             req.move(Phase.RUNNING)
             self.running[req.rid] = req
-            prefilled.append(req)
+            prefilled.add(req.rid)
             outputs.append(self._emit(req))
         for req in list(self.running.values()):
-            if req in prefilled:
+            if req.rid in prefilled:
                 continue
             assert req.seq is not None
             self.model.decode(req.seq, req.output_ids[-1])
