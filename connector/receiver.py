@@ -124,6 +124,9 @@ class EmbeddingReceiver:
         self._changed = threading.Condition(manager._lock)  # notified on every status change
         self.total_tokens: int | None = None
         self.resume_rounds = 0
+        # when the encoder had the embedding (it announced the total, or a fork's first round
+        # landed): before it, the room waits for the encoder; after it, the wire works
+        self.sending_at: float | None = None
         self._rounds: list[_Round] = []  # rounds whose blocks are still in the pool
         self._round_end = 0  # tokens that have landed once the current round succeeds
         self._out: Embedding | None = None  # assembly target, created early only by a spill or a restore
@@ -396,6 +399,7 @@ class EmbeddingReceiver:
         if msg.sent_tokens is not None and msg.sent_tokens > self._round_end:
             self._fail_bad(f"status says {msg.sent_tokens} tokens sent, only {self._round_end} allocated")
             return
+        self.sending_at = self.sending_at or time.monotonic()
         if self._aux is None:  # the first round carried aux: read the total from it
             self._aux = self._m.pool.aux[self._rounds[0].block_ids[0]].copy()
             total = int(self._aux[0])
@@ -431,6 +435,7 @@ class EmbeddingReceiver:
         if self.total_tokens is not None:
             return
         self.total_tokens = total
+        self.sending_at = self.sending_at or time.monotonic()
         if (self.phase == R.WAITING and len(self._rounds) == 1 and self._round_end < total
                 and not self.clone_concat):
             self._move(R.EARLY)

@@ -47,6 +47,12 @@ class SleepGate:
         if self.is_sleeping() and not self.queue_while_sleeping:
             raise asleep_error(self.role)
 
+    def require_awake(self) -> None:
+        """Raise the 503 unless the worker is awake now (no waiting: for a last check)."""
+        if self.state != WorkerState.AWAKE:
+            raise TransferFailure(FailureKind.SHUTTING_DOWN, f"the {self.role} worker is shutting down") \
+                if self.state == WorkerState.STOPPING else asleep_error(self.role)
+
     async def wait_awake(self) -> None:
         """Wait (without holding a thread) until the worker is awake, or raise the 503."""
         deadline = time.monotonic() + self.max_wait

@@ -143,9 +143,10 @@ class EncodeWorker:
             except ValueError as exc:
                 raise TransferFailure(FailureKind.CONFLICT, str(exc)) from None
             try:
-                reply = await self._encode(rid, sender, image_refs)
+                reply, encoded_at = await self._encode(rid, sender, image_refs)
                 if wait_for_delivery:
                     await wait_for_future(sender.delivered, lambda: None)
+                    reply["send_ms"] = round((time.monotonic() - encoded_at) * 1e3, 3)  # to the last round's ack
             except TransferFailure as exc:
                 sender.abort(exc.kind, str(exc))
                 raise
@@ -184,8 +185,9 @@ class EncodeWorker:
         with self._lock:
             self._pending.discard(rid)
 
-    async def _encode(self, rid: str, sender: EmbeddingSender, refs: list[str]) -> dict:
-        """Steps 2 to 5 of the module docstring; returns the reply body."""
+    async def _encode(self, rid: str, sender: EmbeddingSender, refs: list[str]) -> tuple[dict, float]:
+        """Steps 2 to 5 of the module docstring; returns the reply body and when the embedding
+        was ready (``time.monotonic()``)."""
         loop = asyncio.get_running_loop()
         sender.failure_exception()  # aborted by its language peer before it arrived
         try:
@@ -215,6 +217,7 @@ class EncodeWorker:
             await self._granted(decode_grant, lambda: (
                 f"no memory to decode the images within {self.config.queue_timeout:g}s ({self.decoding.used} of "
                 f"{self.decoding.limit} decode bytes in use)"))
+            started = time.monotonic()
             try:
                 work = self._loaders.submit(self._decode, images, refs)
                 images = await asyncio.wrap_future(work)
@@ -233,10 +236,12 @@ class EncodeWorker:
             else:
                 release()
         embedding, grids = encoded
+        encoded_at = time.monotonic()  # decode, preprocess and forward pass
         sender.send(embedding)
         log.info("rid=%s room=%d: %d images -> %d tokens", rid, sender.room, len(refs), embedding.num_tokens)
         return {"rid": rid, "num_tokens": embedding.num_tokens, "hidden_size": embedding.hidden_size,
-                "dtype": embedding.dtype, "sha256": embedding.sha256(), "grid_thw": grids}
+                "dtype": embedding.dtype, "sha256": embedding.sha256(), "grid_thw": grids,
+                "encode_ms": round((encoded_at - started) * 1e3, 3)}, encoded_at
 
     def _release_decoding(self, room: int) -> None:
         with self._lock:

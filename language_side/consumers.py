@@ -1,5 +1,5 @@
-"""What happens to a finished embedding. The default reports its digest; an LM prefill
-would implement the same interface and return generated text."""
+"""What happens to a finished embedding: its digest only (transfer-only serving), or a copy
+for the language engine."""
 
 from __future__ import annotations
 
@@ -16,3 +16,12 @@ class Consumer(Protocol):
 class DigestConsumer:
     def consume(self, rid: str, embedding: Embedding) -> dict:
         return {"sha256": embedding.sha256()}
+
+
+class EmbeddingCopy:
+    """For the language engine: the embedding's rows and positions copied out of the pool, so its
+    blocks come back as soon as it has landed rather than after the prefill."""
+
+    def consume(self, rid: str, embedding: Embedding) -> dict:
+        return {"sha256": embedding.sha256(), "embedding": embedding.embeddings.copy(),
+                "mrope_positions": embedding.mrope_positions.copy()}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import enum
 import secrets
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,6 +83,7 @@ class GenRequest:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" or "length" once finished, "abort" once aborted
     seq: Sequence | None = field(default=None, repr=False)
+    prefill_seconds: float = 0.0
     generator: torch.Generator = field(default_factory=torch.Generator, repr=False)
 
     @property
@@ -98,8 +100,9 @@ class GenRequest:
 @dataclass(frozen=True)
 class StepOutput:
     rid: str
-    token: int  # generated in this step
-    finish_reason: str | None  # set on the request's last token
+    token: int | None  # generated in this step; None when its prefill failed
+    finish_reason: str | None  # set on the request's last output
+    error: str = ""  # why a prefill failed (finish_reason "abort")
 
 
 class Engine:
@@ -111,11 +114,16 @@ class Engine:
         self.waiting: collections.deque[GenRequest] = collections.deque()
         self.running: dict[str, GenRequest] = {}
 
-    def add(self, req: GenRequest) -> None:
+    def check(self, req: GenRequest) -> None:
+        """ValueError (HTTP 400) for a request that could never run: bad sampling parameters, or
+        more KV than the whole budget."""
         req.params.check()
         if req.kv_tokens > self.kv_budget:
-            raise ValueError(f"{req.rid}: {len(req.prompt.input_ids)} prompt tokens + {req.params.max_new_tokens} new "
-                             f"tokens need {req.kv_tokens} KV tokens; the budget is {self.kv_budget}")
+            raise ValueError(f"{len(req.prompt.input_ids)} prompt tokens + {req.params.max_new_tokens} new "
+                             f"tokens need {req.kv_tokens} KV tokens; the KV budget is {self.kv_budget}")
+
+    def add(self, req: GenRequest) -> None:
+        self.check(req)
         if req.rid in self.running or any(w.rid == req.rid for w in self.waiting):
             raise ValueError(f"request {req.rid!r} is already in the engine")
         req.generator.manual_seed(req.params.seed if req.params.seed is not None else secrets.randbits(63))
@@ -138,8 +146,16 @@ class Engine:
         while self.waiting and self.kv_used + self.waiting[0].kv_tokens <= self.kv_budget:
             req = self.waiting.popleft()
             self.kv_used += req.kv_tokens
-            req.seq = self.model.prefill(req.prompt, req.image_rows)
             req.move(Phase.RUNNING)
+            start = time.perf_counter()
+            try:
+                req.seq = self.model.prefill(req.prompt, req.image_rows)
+            except Exception as exc:  # this request's input (or memory): it alone ends
+                self._end(req, Phase.ABORTED, "abort")
+                outputs.append(StepOutput(req.rid, None, "abort", f"prefill failed: {type(exc).__name__}: {exc}"))
+                continue
+            req.prefill_seconds = time.perf_counter() - start
+            req.image_rows = None  # in the KV cache now
             self.running[req.rid] = req
             prefilled.add(req.rid)
             outputs.append(self._emit(req))
@@ -171,8 +187,9 @@ class Engine:
             return "stop"
         if req.params.stop:
             longest = max(len(s) for s in req.params.stop)
-            # The tail decoded from enough tokens to hold any stop string (a token is >= 1 char).
-            tail = self.tokenizer.decode(req.output_ids[-(longest + 8):])
+            # The tail decoded from enough tokens to hold any stop string: a byte-level token
+            # holds at least one byte, a character at most four.
+            tail = self.tokenizer.decode(req.output_ids[-(4 * longest + 8):])
             if any(s in tail for s in req.params.stop):
                 return "stop"
         if len(req.output_ids) >= req.params.max_new_tokens:
@@ -192,7 +209,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     from the request's own generator."""
     if params.temperature == 0.0:
         return int(logits.argmax())
-    scaled = logits / params.temperature
+    scaled = logits.cpu() / params.temperature  # the request's generator lives on the CPU, on any device
     if params.top_k:
         kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

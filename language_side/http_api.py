@@ -1,10 +1,23 @@
 """Language worker HTTP API: ``POST /generate``, ``POST /abort_request``, ``GET /health``,
-``GET /metrics``, sleep and wake."""
+``GET /metrics``, sleep and wake.
+
+With a language model, ``/generate`` takes SGLang's native body (``text`` or ``messages``,
+``sampling_params``, ``stream``, and the encoder's ``bootstrap_*`` when the prompt has images):
+the embedding is received, the prompt built around it, and the engine generates. Without one
+(``--language-model none``) it receives the embedding and answers its digest.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
 from aiohttp import web
 
+from connector.failures import FailureKind, TransferFailure
 from connector.http_util import (
     HTTPError,
     add_sleep_routes,
@@ -14,11 +27,25 @@ from connector.http_util import (
     read_json,
     wait_for_future,
 )
+from language_side.prompt import PromptError, build_prompt, grids_from_positions, render_chat
+from language_side.schemas import BodyError, GenerateIn, parse
+from language_side.serving import Event, Generation, GenerationService, TextStream
 from language_side.worker import LanguageWorker
 
+IMAGE_PAD = "<|image_pad|>"
 
-def build_app(worker: LanguageWorker) -> web.Application:
-    async def generate(request: web.Request) -> web.Response:
+
+@dataclass
+class _Client:
+    """A ``/generate`` in progress, so ``/abort_request`` can reach it between its phases."""
+
+    aborted: bool = False
+
+
+def build_app(worker: LanguageWorker, service: GenerationService | None = None) -> web.Application:
+    clients: dict[str, _Client] = {}
+
+    async def transfer_only(request: web.Request) -> web.Response:
         body = await read_json(request, {"rid": str, "bootstrap_host": str, "bootstrap_port": int,
                                          "bootstrap_room": int})
         room = check_room(body["bootstrap_room"])
@@ -29,18 +56,143 @@ def build_app(worker: LanguageWorker) -> web.Application:
         future = worker.submit(rid, f"{check_host(body['bootstrap_host'])}:{port}", room)
         return web.json_response(await wait_for_future(future, lambda: worker.cancel(rid, "the client went away")))
 
+    async def generate(request: web.Request) -> web.StreamResponse:
+        assert service is not None
+        arrived = time.monotonic()
+        try:
+            body: GenerateIn = parse(GenerateIn, await request.read())
+            params = body.sampling_params.params()
+        except BodyError as exc:
+            raise HTTPError(400, str(exc)) from None
+        rid = body.rid or uuid.uuid4().hex
+        if rid in clients:
+            raise HTTPError(409, f"request {rid!r} is already in progress")
+        client = clients[rid] = _Client()
+        try:
+            return await _generate(request, body, params, rid, client, arrived)
+        finally:
+            clients.pop(rid, None)
+
+    async def _generate(request: web.Request, body: GenerateIn, params, rid: str, client: _Client,
+                        arrived: float) -> web.StreamResponse:
+        assert service is not None
+        tokenizer = service.tokenizer
+        text = body.text if body.text is not None else await asyncio.to_thread(
+            render_chat, tokenizer, [m.for_template() for m in body.messages or []])
+        images = text.count(IMAGE_PAD)
+        addr = f"{check_host(body.bootstrap_host)}:{body.bootstrap_port}" if body.has_peer else ""
+        if images and not body.has_peer:
+            raise HTTPError(400, f"the prompt has {images} image placeholders but no bootstrap_room names the "
+                                 f"encoder that holds their embedding")
+        if body.has_peer and not images:
+            worker.receivers.abandon(addr, body.bootstrap_room)  # the encoder's room ends too
+            raise HTTPError(400, "bootstrap_room names an image embedding but the prompt has no image placeholder "
+                                 "(<|vision_start|><|image_pad|><|vision_end|> or an image part)")
+        transfer: dict = {}
+        rows, grids = None, []
+        try:
+            service.check_room_for(rid)  # before the embedding is fetched for nothing
+        except TransferFailure:
+            if body.has_peer:
+                worker.receivers.abandon(addr, body.bootstrap_room)
+            raise
+        if body.has_peer:
+            future = worker.submit(rid, addr, body.bootstrap_room)
+            transfer = await wait_for_future(future, lambda: worker.cancel(rid, "the client went away"))
+            rows, positions = transfer.pop("embedding"), transfer.pop("mrope_positions")
+            try:
+                grids = grids_from_positions(positions)
+            except PromptError as exc:
+                raise HTTPError(400, f"the embedding from {addr} cannot be placed: {exc}") from None
+        if client.aborted:
+            raise TransferFailure(FailureKind.CANCELLED, f"request {rid}: aborted by /abort_request")
+        try:
+            prompt = await asyncio.to_thread(build_prompt, tokenizer, text, grids, service.model.max_length)
+        except ValueError as exc:  # PromptError: counts, context length
+            raise HTTPError(400, str(exc)) from None
+        if body.has_peer:  # admitted before a sleep, which kept its transfer: it goes on after the wake-up
+            while worker.gate.is_sleeping():
+                await asyncio.sleep(0.05)
+        else:
+            await worker.gate.wait_awake()  # 503 while asleep, or wait with --queue-while-sleeping
+        try:
+            gen = service.submit(rid, prompt, rows, params, admit=worker.gate.require_awake)
+        except ValueError as exc:  # over the KV budget
+            raise HTTPError(400, str(exc)) from None
+        del rows  # the engine holds the embedding now
+        if client.aborted:  # /abort_request came while the prompt was built
+            service.abort(rid, "aborted by /abort_request")
+        texts = TextStream(tokenizer, params.stop)
+        try:
+            if body.stream:
+                return await _stream(request, gen, texts, transfer, arrived)
+            ids, event = [], None
+            while event is None or event.finish_reason is None:
+                event = await gen.events.get()
+                ids += event.token_ids
+            await asyncio.to_thread(texts.push, ids, True)
+            return web.json_response({"rid": rid, "text": texts.answer(), "output_ids": ids, **transfer,
+                                      "meta_info": _meta(gen, ids, event, transfer, arrived)})
+        finally:  # ended, or the client went away (cancelled, reset): a no-op once it has ended
+            service.abort(rid, "the client went away")
+
+    async def _stream(request: web.Request, gen: Generation, texts: TextStream, transfer: dict,
+                      arrived: float) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        ids: list[int] = []
+        while True:
+            event = await gen.events.get()
+            ids += event.token_ids
+            chunk = {"rid": gen.rid, "text": texts.push(event.token_ids, final=event.finish_reason is not None),
+                     "output_ids": event.token_ids}
+            if event.finish_reason is not None:
+                meta = _meta(gen, ids, event, transfer, arrived)
+                chunk |= {"finish_reason": meta["finish_reason"], "meta_info": meta, **transfer,
+                          "usage": {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": len(ids),
+                                    "total_tokens": meta["prompt_tokens"] + len(ids)}}
+            try:
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if event.finish_reason is not None:
+                    await response.write(b"data: [DONE]\n\n")
+                    await response.write_eof()
+                    return response
+            except ConnectionResetError:  # the client went away: the caller lets the engine go
+                return response
+
+    def _meta(gen: Generation, ids: list[int], last: Event, transfer: dict, arrived: float) -> dict:
+        finish = {"type": last.finish_reason} | ({"length": len(ids)} if last.finish_reason == "length" else {}) | (
+            {"message": last.error} if last.error else {})
+        engine = gen.timings()
+        return {"id": gen.rid, "prompt_tokens": len(gen.request.prompt.input_ids),
+                "image_tokens": gen.request.prompt.image_tokens, "completion_tokens": len(ids),
+                "finish_reason": finish, "e2e_latency": round(time.monotonic() - arrived, 6),
+                "queue_ms": transfer.get("queue_ms", 0.0), "encoder_wait_ms": transfer.get("encoder_wait_ms", 0.0),
+                "transfer_ms": transfer.get("transfer_ms", 0.0),
+                "resume_rounds": transfer.get("resume_rounds", 0), "kv_wait_ms": engine["kv_wait_ms"],
+                "prefill_ms": engine["prefill_ms"], "decode_ms": engine["decode_ms"],
+                "first_token_ms": round((gen.first_token_at - arrived) * 1e3, 3) if gen.first_token_at else None}
+
     async def abort_request(request: web.Request) -> web.Response:
-        body = await read_json(request, {"rid": str})
-        return web.json_response({"rid": body["rid"], "aborted": worker.cancel(body["rid"], "aborted by /abort_request")})
+        rid = (await read_json(request, {"rid": str}))["rid"]
+        client = clients.get(rid)
+        if client is not None:
+            client.aborted = True
+        aborted = worker.cancel(rid, "aborted by /abort_request")
+        if service is not None:
+            aborted = service.abort(rid, "aborted by /abort_request") or aborted
+        return web.json_response({"rid": rid, "aborted": aborted or client is not None})
 
     async def health(_request: web.Request) -> web.Response:
-        return web.json_response(worker.health())
+        extra = {"generating": service.active()} if service is not None else {}
+        return web.json_response(worker.health() | extra)
 
     async def metrics(_request: web.Request) -> web.Response:
-        return web.Response(body=worker.metrics.render(), content_type="text/plain")
+        extra = service.render_metrics() if service is not None else b""
+        return web.Response(body=worker.metrics.render() + extra, content_type="text/plain")
 
     app = web.Application(middlewares=[errors_as_json])
-    app.router.add_post("/generate", generate)
+    app.router.add_post("/generate", generate if service is not None else transfer_only)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -51,6 +51,10 @@ class LanguageModel:
         self.hidden_size, self.vocab_size = text.hidden_size, text.vocab_size
         self.max_length = int(text.max_position_embeddings)
         self.image_token_id = int(config.image_token_id)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        # keys and values of every layer, per token, in the model dtype
+        self.kv_bytes_per_token = (2 * text.num_hidden_layers * text.num_key_value_heads * head_dim
+                                   * torch.empty((), dtype=self.dtype).element_size())
         with torch.device("meta"):  # no memory until the checkpoint's tensors are assigned
             self.model = Qwen2_5_VLTextModel(text)
             self.lm_head = torch.nn.Linear(text.hidden_size, text.vocab_size, bias=False)

@@ -64,6 +64,8 @@ def build_prompt(tokenizer, text: str, grids: list[tuple[int, int, int]], max_le
     """Tokenise ``text`` (one placeholder per image, in order) and lay the images out."""
     ids = SpecialIds.of(tokenizer)
     tokens = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int64)
+    if not len(tokens):
+        raise PromptError("the prompt is empty")
     pads = np.flatnonzero(tokens == ids.image_pad)
     if len(pads) != len(grids):
         raise PromptError(f"the prompt has {len(pads)} image placeholders for {len(grids)} images")
@@ -95,7 +97,7 @@ def build_prompt(tokenizer, text: str, grids: list[tuple[int, int, int]], max_le
         next_pos = int(positions[:, pad:pad + count].max()) + 1
         start = pad + count
     positions[:, start:] = np.arange(next_pos, next_pos + length - start)
-    delta = int(positions.max()) + 1 - length if length else 0
+    delta = int(positions.max()) + 1 - length
     return Prompt(input_ids, positions, image_mask, delta)
 
 

@@ -32,6 +32,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from connector import checkpoint as checkpoint_files
 from connector.allocator import BlockAllocator, pool_blocks
@@ -49,6 +50,16 @@ from language_side.checkpoint import SavedRequest
 from language_side.consumers import Consumer, DigestConsumer
 
 log = logging.getLogger(__name__)
+
+
+class Generations(Protocol):
+    """What sleep needs of the language engine's service (when there is one)."""
+
+    def active(self) -> int: ...
+
+    def abort_all(self, why: str) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class RequestPhase(enum.Enum):
@@ -80,6 +91,7 @@ class _Request:
     room: int
     phase: RequestPhase = RequestPhase.RESOLVING
     future: Future = field(default_factory=Future)
+    arrived_at: float = field(default_factory=time.monotonic)
     queued_at: float = field(default_factory=time.monotonic)
     route: RankRoute | None = None
     receiver: EmbeddingReceiver | None = None
@@ -95,8 +107,9 @@ class _Request:
 
 class LanguageWorker:
     def __init__(self, config: ConnectorConfig, consumer: Consumer | None = None, checkpoint_dir: str | None = None,
-                 queue_while_sleeping: bool = False) -> None:
+                 queue_while_sleeping: bool = False, generations: Generations | None = None) -> None:
         self.config, self.consumer, self.checkpoint_dir = config, consumer or DigestConsumer(), checkpoint_dir
+        self.generations = generations
         self.pool: BufferPool | None = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
         self.allocator: BlockAllocator | None = BlockAllocator(config.num_blocks)
         self.transport = MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion)
@@ -188,10 +201,18 @@ class LanguageWorker:
                 return {"changed": False, "is_sleeping": True}
             self._disk_error = ""
             with self._step:
+                generating = self.generations.active() if self.generations is not None else 0
+                if generating and preserve_state:
+                    raise TransferFailure(FailureKind.CONFLICT, f"{generating} requests are generating; keeping "
+                                                                f"running generations over a sleep is not supported "
+                                                                f"yet: let them finish, or sleep with "
+                                                                f"preserve_state=false to end them")
                 if owed := self.receivers.fork_rounds_owed():  # their blocks cannot be released yet
                     raise TransferFailure(FailureKind.CONFLICT, f"rooms {owed[:8]} wait for a round from a reference-"
                                                                 f"fork encoder, which cannot be told to pause; sleep "
                                                                 f"again once it has landed")
+                if generating:
+                    self.generations.abort_all("the language worker went to sleep (preserve_state=false)")
                 if preserve_state:
                     kept_bytes = self._keep_requests()
                 else:
@@ -339,8 +360,12 @@ class LanguageWorker:
         """SIGTERM/SIGINT: refuse new requests, fail every request (503), tell the encoders."""
         self.gate.stop()
         self._abort_requests(FailureKind.SHUTTING_DOWN, "the language worker is shutting down")
+        if self.generations is not None:
+            self.generations.abort_all("the language worker is shutting down")
 
     def close(self) -> None:
+        if self.generations is not None:
+            self.generations.close()
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
@@ -466,6 +491,8 @@ class LanguageWorker:
                 req.move(Q.DONE)
                 self._requests.pop(req.rid, None)
             req.future.set_result({"rid": req.rid, "num_tokens": emb.num_tokens, "resume_rounds": receiver.resume_rounds,
+                                   "queue_ms": round((req.init_at - req.arrived_at) * 1e3, 3),
+                                   "encoder_wait_ms": round(((receiver.sending_at or req.init_at) - req.init_at) * 1e3, 3),
                                    "transfer_ms": round(seconds * 1e3, 3), **extra})
 
         self._consumers.submit(consume)

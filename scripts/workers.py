@@ -8,6 +8,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,3 +70,22 @@ class WorkerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+@contextmanager
+def model_workers(folder: str, *language_args: str, both: tuple[str, ...] = (),
+                  timeout: float = 120.0) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
+    """An encode and a language worker on one checkpoint folder (``both``: flags for each);
+    stopped on leaving, and a worker that does not exit cleanly is an error."""
+    encode = WorkerProcess("encode", "--model-path", folder, *both, timeout=timeout)
+    try:
+        lang = WorkerProcess("language", "--model-path", folder, *both, *language_args, timeout=timeout)
+    except BaseException:
+        encode.stop()
+        raise
+    try:
+        yield encode, lang
+    finally:
+        codes = lang.stop(), encode.stop()
+    if codes != (0, 0):
+        raise RuntimeError(f"workers exited with {codes}:\n" + "".join(lang.log[-20:] + encode.log[-20:]))

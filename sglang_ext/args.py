@@ -14,6 +14,10 @@ from connector.config import ENV_NAMES, ConnectorConfig
 from embedding_side.images import DEFAULT_DECODE_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_TIMEOUT_S
 
 MODES = ("encode", "language")
+DEFAULT_KV_TOKENS = 65536
+KV_HELP = ("bytes = tokens x 2 x layers x KV heads x head dim x dtype size: 2 KiB per token for the seeded "
+           "1-layer model, 56 KiB for Qwen2.5-VL-7B in bf16, so the default is 128 MiB or 3.5 GiB; the "
+           "worker prints its own at startup")
 
 
 def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -> None:
@@ -41,7 +45,16 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                                  f"{ENV_NAMES['max_queued_requests']} (default %(default)s)")
         parser.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
                             help="encode side: http(s) images only from these host names (then no address check)")
+        parser.add_argument("--device", default=None, help="where the models run: cpu (default) or cuda")
+        parser.add_argument("--max-total-tokens", type=int, default=None, metavar="TOKENS",
+                            help=f"language side: KV cache budget in tokens ({KV_HELP}); requests beyond it "
+                                 f"wait (default {DEFAULT_KV_TOKENS})")
     pool_bytes = BufferPool.bytes_for(d.num_blocks, d.block_size, d.hidden_size, d.dtype)
+    e = parser.add_argument_group("language model (language side)")
+    e.add_argument("--language-model", choices=["auto", "transformers", "none"], default="auto",
+                   help="transformers: generate with the language model of --model-path; none: receive embeddings "
+                        "and answer their digest (transfer-only); auto: transformers when --model-path is given "
+                        "(default %(default)s)")
     g = parser.add_argument_group("embedding transfer")
     g.add_argument("--encoder", choices=["qwen", "fake"], default="qwen",
                    help="encode side: transformers Qwen2.5-VL tower, or the numpy fake for tests (default %(default)s)")

@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from sglang_ext.args import add_worker_args, connector_config
+from sglang_ext.args import DEFAULT_KV_TOKENS, add_worker_args, connector_config
 
 
 def run(args: argparse.Namespace) -> None:
@@ -26,7 +26,8 @@ def run(args: argparse.Namespace) -> None:
         from embedding_side.images import MediaPolicy
         from embedding_side.worker import EncodeWorker
 
-        encoder = FakeEncoder(config.hidden_size) if args.encoder == "fake" else QwenVisionEncoder(args.model_path)
+        encoder = (FakeEncoder(config.hidden_size) if args.encoder == "fake"
+                   else QwenVisionEncoder(args.model_path, device=args.device or "cpu"))
         media = MediaPolicy.create(args.allowed_local_media_path or (), args.allowed_media_domains,
                                    allow_private=args.allow_private_media_urls, max_bytes=args.image_max_bytes,
                                    fetch_timeout=args.image_fetch_timeout, max_pixels=args.max_image_pixels,
@@ -35,12 +36,22 @@ def run(args: argparse.Namespace) -> None:
                               args.checkpoint_dir)
         extra = (f" bootstrap=http://{config.host}:{worker.bootstrap.port} "
                  f"zmq=tcp://{config.host}:{worker.sender.rank_port} encoder={encoder.name}")
+        app = build_app(worker)
     else:
+        from language_side.consumers import EmbeddingCopy
         from language_side.http_api import build_app
         from language_side.worker import LanguageWorker
 
-        worker = LanguageWorker(config, checkpoint_dir=args.checkpoint_dir, queue_while_sleeping=args.queue_while_sleeping)
+        service = _generation_service(args, config)
+        worker = LanguageWorker(config, checkpoint_dir=args.checkpoint_dir, queue_while_sleeping=args.queue_while_sleeping,
+                                consumer=EmbeddingCopy() if service else None, generations=service)
         extra = f" zmq=tcp://{config.host}:{worker.receivers.rank_port}"
+        if service is not None:
+            model = service.model
+            extra += (f" model={args.model_path} ({model.dtype}, {args.device or 'cpu'}) kv_budget="
+                      f"{service.engine.kv_budget} tokens ({service.engine.kv_budget * model.kv_bytes_per_token / 2**20:.0f}"
+                      f" MiB)")
+        app = build_app(worker, service)
 
     def banner(port: int) -> None:
         state = " (asleep: a checkpoint waits for /wake_up)" if worker.is_sleeping() else ""
@@ -48,8 +59,29 @@ def run(args: argparse.Namespace) -> None:
               f"mooncake={worker.transport.session_id} pool={config.num_blocks}x{config.block_size} tokens "
               f"({config.pool_bytes / 2**20:.0f} MiB){state}", flush=True)
 
-    serve(build_app(worker), config.host, args.port, banner, worker.stop, worker.close)
+    serve(app, config.host, args.port, banner, worker.stop, worker.close)
     print(f"{args.disaggregation_mode} worker stopped", flush=True)
+
+
+def _generation_service(args: argparse.Namespace, config):
+    """The language engine of ``--model-path``, or None for transfer-only serving."""
+    wanted = args.language_model == "transformers" or (args.language_model == "auto" and args.model_path)
+    if not wanted:
+        return None
+    if not args.model_path:
+        raise SystemExit("--language-model transformers needs --model-path (a Qwen2.5-VL checkpoint folder; "
+                         "scripts/make_checkpoint.py writes the seeded one)")
+    from transformers import AutoTokenizer
+
+    from language_side.model import LanguageModel
+    from language_side.serving import GenerationService
+
+    model = LanguageModel(args.model_path, args.device or "cpu")
+    if model.hidden_size != config.hidden_size:
+        raise SystemExit(f"the language model's hidden size is {model.hidden_size} but embeddings are "
+                         f"{config.hidden_size} wide: pass --hidden-size {model.hidden_size} to both workers")
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    return GenerationService(model, tokenizer, args.max_total_tokens or DEFAULT_KV_TOKENS, config.max_queued_requests)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -97,6 +97,7 @@ def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
     ours.disaggregation_mode = server_args.disaggregation_mode
     ours.host, ours.port = server_args.host, server_args.port
     ours.model_path = server_args.model_path
+    ours.device, ours.max_total_tokens = server_args.device, server_args.max_total_tokens
     ours.disaggregation_bootstrap_port = server_args.disaggregation_bootstrap_port
     ours.disaggregation_ib_device = server_args.disaggregation_ib_device or ""
     ours.tp_size = server_args.tp_size

@@ -45,3 +45,29 @@ def test_bench_load_prints_a_row_per_level_and_the_completed_line(tmp_path: Path
     assert [(r["language_pool"], r["concurrency"], r["completed"]) for r in rows] == [
         ("default", 2, 8), ("default", 8, 8), ("16 blocks", 8, 8)]
     assert all(r["images_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] for r in rows)
+
+
+def test_bench_generate_quick_prints_the_ttft_split_and_the_engine_ratio(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_generate.py"), "--quick", "--json",
+                          str(tmp_path / "g.json"), "--plot", str(tmp_path / "g.png")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert re.fullmatch(r"engine_vs_bare_decode_batch4=\d+\.\d+", out.stdout.strip().splitlines()[-1])
+    rows = json.loads((tmp_path / "g.json").read_text())
+    [ttft] = rows["ttft"]
+    assert ttft["image_tokens"] == 256 and all(ttft[k] > 0 for k in ("encode_ms", "transfer_ms", "prefill_ms"))
+    assert ttft["encode_ms"] + ttft["transfer_ms"] + ttft["prefill_ms"] < ttft["ttft_ms"]
+    assert [r["batch"] for r in rows["decode"]] == [1, 4] and all(r["engine_tokens_per_s"] > 0 for r in rows["decode"])
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_main_job_generates_and_matches_the_monolithic_model(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPTS / "generate_from_images.py"), "--quick", "--json",
+                          str(tmp_path / "m.json")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-2] == "monolithic check (448x448): tokens equal (16 disaggregated, 16 monolithic)"
+    assert lines[-1] == "2/2 requests generated; all checks passed"
+    results = json.loads((tmp_path / "m.json").read_text())
+    assert [r["image_tokens"] for r in results.values()] == [256, 782]
+    assert all(len(r["output_ids"]) == 16 and r["digest_match"] for r in results.values())

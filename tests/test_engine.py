@@ -97,7 +97,7 @@ def test_the_kv_budget_makes_requests_wait_and_refuses_one_that_can_never_fit(pa
     assert one.phase == Phase.RUNNING and two.phase == Phase.WAITING and engine.kv_used == one.kv_tokens
     run(engine)
     assert len(one.output_ids) == len(two.output_ids) == 8 and engine.kv_used == 0
-    with pytest.raises(ValueError, match=f"need {len(one.prompt.input_ids) + 100} KV tokens; the budget is {budget}"):
+    with pytest.raises(ValueError, match=f"need {len(one.prompt.input_ids) + 100} KV tokens; the KV budget is {budget}"):
         engine.add(request(parts, "big", 1, "a", max_new_tokens=100))
 
 
@@ -143,3 +143,26 @@ def test_top_k_and_top_p_only_ever_draw_the_tokens_they_allow() -> None:
     drawn = {sample(logits, SamplingParams(temperature=1.0, top_p=0.8), gen) for _ in range(300)}
     assert drawn == {0, 1}
     assert sample(logits, SamplingParams(), gen) == 0  # greedy
+
+
+def test_a_prefill_that_fails_ends_only_its_request_and_gives_its_kv_back(parts) -> None:
+    engine = new_engine(parts)
+    good = request(parts, "good", 1, "fine", max_new_tokens=5)
+    bad = request(parts, "bad", 2, "broken", max_new_tokens=5)
+    bad.image_rows = bad.image_rows[:10]  # fewer rows than the prompt's image tokens
+    engine.add(bad)
+    engine.add(good)
+    first = engine.step()
+    assert first[0].rid == "bad" and first[0].token is None and first[0].finish_reason == "abort"
+    assert "prefill failed: ValueError: the prompt has" in first[0].error and bad.phase == Phase.ABORTED
+    assert len(run(engine)["good"]) == 4 and engine.kv_used == 0
+
+
+def test_a_stop_string_of_multibyte_characters_is_found(parts) -> None:
+    _, lm, tokenizer = parts
+    engine = new_engine(parts)
+    req = request(parts, "emoji", None, "x", max_new_tokens=40, stop=("\U0001f642" * 4,))
+    engine.add(req)
+    engine.step()
+    req.output_ids[:] = tokenizer("\U0001f642" * 4, add_special_tokens=False)["input_ids"]  # 16 byte tokens
+    assert engine._finish_reason(req, req.output_ids[-1]) == "stop"

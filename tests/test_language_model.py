@@ -1,7 +1,8 @@
 """The language side's model against transformers' monolithic Qwen2.5-VL on the same checkpoint
-folder: our encoder's embedding, sent as bf16 bytes (in process, and through a real encode
-worker and the connector with resume rounds), spliced into our prompt, decoded by our loop,
-gives the tokens ``Qwen2_5_VLForConditionalGeneration.generate`` gives from the pixels."""
+folder: our encoder's embedding, sent as bf16 bytes (in process; and through a real encode
+worker, the connector with resume rounds and a real language worker's engine), spliced into our
+prompt and decoded, gives the tokens ``Qwen2_5_VLForConditionalGeneration.generate`` gives from
+the pixels."""
 
 from __future__ import annotations
 
@@ -11,17 +12,15 @@ import pytest
 import requests
 import torch
 from make_checkpoint import write_checkpoint
+from monolithic import NEW_TOKENS, reference_tokens
 from transfer_large_image import make_image
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-from workers import WorkerProcess
+from workers import model_workers
 
-from connector.receiver import receive_embedding
 from embedding_side.encoders import QwenVisionEncoder
 from language_side.model import LanguageModel, greedy
 from language_side.prompt import IMAGE_PLACEHOLDER as P
-from language_side.prompt import build_prompt, grids_from_positions
-
-NEW_TOKENS = 24
+from language_side.prompt import build_prompt
 
 
 @pytest.fixture(scope="module")
@@ -38,23 +37,6 @@ def sides(folder):
 @pytest.fixture(scope="module")
 def monolithic(folder):
     return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
-
-
-def reference_tokens(model, encoder, tokenizer, text: str, images) -> list[int]:
-    """transformers' own generate, from pixels, in one process."""
-    kwargs = {}
-    grids = []
-    if images:
-        inputs = encoder.processor(images=images, return_tensors="pt")
-        kwargs = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
-        grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
-    prompt = build_prompt(tokenizer, text, grids, max_length=32768)
-    ids = torch.from_numpy(prompt.input_ids)[None]
-    mm_types = torch.from_numpy(prompt.image_mask.astype("int64"))[None]
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=mm_types,
-                             max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
-    return out[0, ids.shape[1]:].tolist()
 
 
 @pytest.mark.parametrize("text, sizes", [
@@ -90,37 +72,42 @@ def test_an_embedding_of_the_wrong_size_is_refused(sides) -> None:
         lm.prefill(prompt, encoded.embeddings[:100])
 
 
+@pytest.fixture(scope="module")
+def served(folder):
+    """Both workers on the folder; the language side allocates 2048 tokens first, so every
+    image here needs resume rounds."""
+    with model_workers(folder, "--embedding-cache-buffer-size", "128",
+                       "--embedding-default-allocate-buffer-size", "2048") as pair:
+        yield pair
+
+
 @pytest.mark.parametrize("sizes, text", [
     ([(3840, 2160)], f"<|im_start|>user\n{P}What is in the picture?<|im_end|>\n<|im_start|>assistant\n"),
     ([(448, 448), (1024, 1024), (640, 480), (448, 336)], f"One {P} two {P} three {P} and four {P}: compare."),
 ], ids=["4k", "4-images"])
 def test_through_the_wire_with_a_resume_round_the_tokens_equal_the_monolithic_model(
-        folder, sides, monolithic, make_language, tmp_path, sizes, text) -> None:
-    """A real encode worker process on the folder's tower -> Mooncake with resume rounds -> our
-    receiver; the grids come from the positions on the wire; our prompt, model and engine loop."""
-    encoder, lm, tokenizer = sides
+        sides, monolithic, served, tmp_path, sizes, text) -> None:
+    """A real encode worker process on the folder's tower -> Mooncake with resume rounds -> a real
+    language worker: the grids come from the positions on the wire; its prompt, model and engine."""
+    encoder, _, tokenizer = sides
+    encode, lang = served
     images = [make_image(w, h, seed=i + 3) for i, (w, h) in enumerate(sizes)]
     paths = []
     for i, image in enumerate(images):
         paths.append(str(tmp_path / f"{i}.png"))
         image.save(paths[-1])
-    encode = WorkerProcess("encode", "--model-path", folder)
-    try:
-        lang = make_language(num_blocks=128, default_allocate_tokens=2048)  # forces resume rounds
-        bootstrap = f"127.0.0.1:{encode.bootstrap_port}"
-        with ThreadPoolExecutor(1) as pool:
-            sent = pool.submit(requests.post, f"{encode.url}/encode",
-                               json={"rid": "w", "bootstrap_room": 9, "images": paths}, timeout=300)
-            emb, receiver = receive_embedding(lang.manager, bootstrap, 9, timeout=300)
-            assert sent.result().status_code == 200, sent.result().text
-        try:
-            assert receiver.resume_rounds >= 1
-            grids = grids_from_positions(emb.mrope_positions)
-            prompt = build_prompt(tokenizer, text, grids, lm.max_length)
-            ours = greedy(lm, prompt, emb.embeddings, NEW_TOKENS, {tokenizer.eos_token_id})
-        finally:
-            emb.release()
-    finally:
-        assert encode.stop() == 0
-    assert grids == [tuple(g) for g in encoder.processor(images=images, return_tensors="pt")["image_grid_thw"].tolist()]
-    assert ours == reference_tokens(monolithic, encoder, tokenizer, text, images)
+    room = 9 + len(sizes)
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(requests.post, f"{encode.url}/encode",
+                           json={"rid": "w", "bootstrap_room": room, "images": paths}, timeout=300)
+        answer = requests.post(f"{lang.url}/generate", timeout=300, json={
+            "rid": "w", "text": text, "bootstrap_host": "127.0.0.1", "bootstrap_port": encode.bootstrap_port,
+            "bootstrap_room": room, "sampling_params": {"max_new_tokens": NEW_TOKENS}})
+        assert sent.result().status_code == 200, sent.result().text
+    assert answer.status_code == 200, answer.text
+    out = answer.json()
+    assert out["resume_rounds"] >= 1 and out["sha256"] == sent.result().json()["sha256"]
+    grids = [tuple(g) for g in encoder.processor(images=images, return_tensors="pt")["image_grid_thw"].tolist()]
+    assert [tuple(g) for g in sent.result().json()["grid_thw"]] == grids
+    assert out["meta_info"]["image_tokens"] == sum(t * h * w // 4 for t, h, w in grids)
+    assert out["output_ids"] == reference_tokens(monolithic, encoder, tokenizer, text, images)

@@ -10,11 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
+from make_checkpoint import write_checkpoint
 from test_workers import Pair, assert_pools_free, images  # noqa: F401  (fixture)
 from transfer_large_image import run_request
+from transformers import AutoTokenizer
 from workers import WorkerProcess
 
-from embedding_side.encoders import write_builtin_checkpoint
+from language_side.model import LanguageModel, greedy
+from language_side.prompt import build_prompt
 
 pytestmark = pytest.mark.sglang
 
@@ -46,7 +50,8 @@ def line(out: str, tag: str) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    return str(write_builtin_checkpoint(tmp_path_factory.mktemp("qwen-vision")))
+    """A whole seeded model: the encode side reads its tower, the language side its language model."""
+    return str(write_checkpoint(tmp_path_factory.mktemp("qwen-seeded"), 3584))
 
 
 def test_help_lists_our_modes_and_flags() -> None:
@@ -66,7 +71,8 @@ def test_our_modes_dispatch_with_the_flags_sglang_parsed(mode: str) -> None:
                 "--disaggregation-ib-device", "mlx5_0", "--tp-size", "1", "--log-level", "warning",
                 "--embedding-cache-buffer-size", "40", "--resume-timeout", "7", "--max-queued-requests", "12",
                 "--staging-bytes", "1000000", "--queue-timeout", "4.5", "--allowed-media-domains", "img.example",
-                "--allowed-local-media-path", "/srv/a", "--allowed-local-media-path", "/srv/b")
+                "--allowed-local-media-path", "/srv/a", "--allowed-local-media-path", "/srv/b",
+                "--max-total-tokens", "4096", "--device", "cpu", "--language-model", "none")
     assert res.returncode == 0, res.stderr[-2000:]
     args = line(res.stdout, "WORKER")
     assert "SGLANG " not in res.stdout  # SGLang's own server never started
@@ -74,12 +80,13 @@ def test_our_modes_dispatch_with_the_flags_sglang_parsed(mode: str) -> None:
         "disaggregation_mode", "model_path", "host", "port", "disaggregation_bootstrap_port",
         "disaggregation_ib_device", "tp_size", "log_level", "mooncake_protocol", "embedding_cache_buffer_size",
         "resume_timeout", "max_queued_requests", "staging_bytes", "queue_timeout", "allowed_media_domains",
-        "allowed_local_media_path")} == {
+        "allowed_local_media_path", "max_total_tokens", "device", "language_model")} == {
         "disaggregation_mode": mode, "model_path": "/models/qwen", "host": "127.0.0.2", "port": 31234,
         "disaggregation_bootstrap_port": 31235, "disaggregation_ib_device": "mlx5_0", "tp_size": 1,
         "log_level": "warning", "mooncake_protocol": "tcp", "embedding_cache_buffer_size": 40, "resume_timeout": 7.0,
         "max_queued_requests": 12, "staging_bytes": 1000000, "queue_timeout": 4.5,
-        "allowed_media_domains": ["img.example"], "allowed_local_media_path": ["/srv/a", "/srv/b"]}
+        "allowed_media_domains": ["img.example"], "allowed_local_media_path": ["/srv/a", "/srv/b"],
+        "max_total_tokens": 4096, "device": "cpu", "language_model": "none"}
 
 
 def test_unsupported_backend_in_our_modes_is_a_clear_error() -> None:
@@ -132,7 +139,7 @@ def test_the_plugin_costs_nothing_in_other_sglang_processes() -> None:
 @pytest.mark.parametrize("command", [SGLANG_LAUNCH, SGLANG_SERVE], ids=["launch_server", "sglang_serve"])
 def test_4k_image_through_workers_started_by_sglang(command, checkpoint, images) -> None:  # noqa: F811
     encode = WorkerProcess("encode", "--model-path", checkpoint, command=command)
-    language = WorkerProcess("language", "--model-path", checkpoint, command=command)
+    language = WorkerProcess("language", "--model-path", checkpoint, "--language-model", "none", command=command)
     try:
         start = time.monotonic()
         res = run_request(encode.url, language.url, encode.bootstrap_port, "sg-4k", 77, [images["4k"]], 120)
@@ -141,3 +148,21 @@ def test_4k_image_through_workers_started_by_sglang(command, checkpoint, images)
         assert_pools_free(Pair.of(encode, language))
     finally:
         assert language.stop() == 0 and encode.stop() == 0
+
+
+def test_a_language_worker_started_by_sglang_generates_the_model_tokens(checkpoint) -> None:
+    """``--model-path`` through SGLang's launcher reaches our language engine (and its KV budget)."""
+    language = WorkerProcess("language", "--model-path", checkpoint, "--max-total-tokens", "2048",
+                             command=SGLANG_LAUNCH)
+    try:
+        assert "kv_budget=2048 tokens" in language.ready_line
+        text = "<|im_start|>user\nHello from SGLang.<|im_end|>\n<|im_start|>assistant\n"
+        answer = requests.post(f"{language.url}/generate", json={"text": text, "sampling_params": {
+            "max_new_tokens": 12}}, timeout=120)
+        assert answer.status_code == 200, answer.text
+    finally:
+        assert language.stop() == 0
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = LanguageModel(checkpoint)
+    expected = greedy(model, build_prompt(tokenizer, text, [], model.max_length), None, 12, {tokenizer.eos_token_id})
+    assert answer.json()["output_ids"] == expected

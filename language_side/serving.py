@@ -1,0 +1,293 @@
+"""The engine's own thread, and what each HTTP request sees of it.
+
+Handlers (on the event loop) ``submit`` a request and read its :class:`Generation`'s events;
+they never touch the engine: additions and aborts go through an inbox that the engine thread
+applies between steps, so an abort never waits for a long prefill to end and the event loop
+never blocks. Each step's tokens go back to their requests' asyncio queues in one call per
+request. Text is decoded on the handler's side (:class:`TextStream`), off the engine's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from connector.failures import FailureKind, TransferFailure
+from language_side.engine import Engine, GenRequest, Phase, SamplingParams, StepOutput
+from language_side.model import LanguageModel
+from language_side.prompt import Prompt
+
+log = logging.getLogger(__name__)
+
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass
+class Event:
+    token_ids: list[int]  # generated since the last event
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last event
+    error: str = ""  # why the engine ended it (with "abort"), if not an abort request
+
+
+@dataclass
+class Generation:
+    """One request's handle: its events arrive on ``events`` (on the handler's loop)."""
+
+    rid: str
+    request: GenRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    added_at: float = field(default_factory=time.monotonic)
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+
+    def timings(self) -> dict[str, float]:
+        """Milliseconds: waiting for the KV budget, prefill, to the first token, decoding."""
+        end = self.last_token_at or time.monotonic()
+        first = self.first_token_at or end
+        prefill = self.request.prefill_seconds
+        return {"kv_wait_ms": _ms(first - self.added_at - prefill), "prefill_ms": _ms(prefill),
+                "first_token_ms": _ms(first - self.added_at), "decode_ms": _ms(end - first)}
+
+
+def _ms(seconds: float) -> float:
+    return round(max(seconds, 0.0) * 1e3, 3)
+
+
+class GenerationMetrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("epd_time_to_first_token_seconds", "From the engine taking a request to its first "
+                              "token (prefill and waiting for KV budget)", buckets=TOKEN_BUCKETS, registry=r)
+        self.itl = Histogram("epd_inter_token_latency_seconds", "Between two tokens of one request",
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.tokens = Counter("epd_generated_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("epd_prompt_tokens", "Prompt tokens prefilled (image tokens included)",
+                                     registry=r)
+        self.finished = Counter("epd_generations", "Generations ended, by finish reason", ["reason"], registry=r)
+        self.aborted = Counter("epd_generations_aborted", "Generations aborted, by the phase they were in",
+                               ["phase"], registry=r)
+        Gauge("epd_generations_running", "Requests decoding", registry=r).set_function(lambda: len(engine.running))
+        Gauge("epd_generations_waiting", "Requests waiting for KV budget", registry=r).set_function(
+            lambda: len(engine.waiting))
+        Gauge("epd_kv_tokens_used", "KV tokens reserved by running requests", registry=r).set_function(
+            lambda: engine.kv_used)
+        Gauge("epd_kv_tokens_budget", "KV token budget", registry=r).set_function(lambda: engine.kv_budget)
+
+
+class GenerationService:
+    def __init__(self, model: LanguageModel, tokenizer, kv_budget_tokens: int, max_waiting: int = 256) -> None:
+        """``max_waiting``: requests that may wait for KV budget; more are refused (503)."""
+        eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")) if i is not None}
+        self.model, self.tokenizer, self.max_waiting = model, tokenizer, max_waiting
+        self.engine = Engine(model, tokenizer, kv_budget_tokens, eos)
+        self.metrics = GenerationMetrics(self.engine)
+        self._cv = threading.Condition()
+        # ("add", Generation) | ("abort", (rid, why))
+        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        self._generations: dict[str, Generation] = {}  # every request not ended, by rid
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="language-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from handlers ---------------------------------------------------------------------
+
+    def check_room_for(self, rid: str) -> None:
+        """TransferFailure for a rid in use (409) or too many requests waiting (503): checked
+        before a request's embedding is fetched, and again when it is submitted."""
+        with self._cv:
+            self._check_room_for(rid)
+
+    def _check_room_for(self, rid: str) -> None:
+        if rid in self._generations:
+            raise TransferFailure(FailureKind.CONFLICT, f"request {rid!r} is already generating")
+        if (waiting := len(self._generations) - len(self.engine.running)) >= self.max_waiting:
+            raise TransferFailure(FailureKind.OVERLOADED, f"{waiting} requests wait for KV budget "
+                                                          f"(limit {self.max_waiting})")
+
+    def submit(self, rid: str, prompt: Prompt, image_rows: np.ndarray | None, params: SamplingParams,
+               admit: Callable[[], None]) -> Generation:
+        """Queue a request: ValueError for one that could never run; TransferFailure from
+        :meth:`check_room_for`, or from ``admit``, which runs under the lock :meth:`active`
+        takes (so a sleep that counts generations either sees this one or refuses it)."""
+        request = GenRequest(rid, prompt, image_rows, params)
+        self.engine.check(request)
+        gen = Generation(rid, request, asyncio.get_running_loop())
+        with self._cv:
+            admit()
+            self._check_room_for(rid)
+            self._generations[rid] = gen
+            self._inbox.append(("add", gen))
+            self._cv.notify()
+        return gen
+
+    def abort(self, rid: str, why: str = "") -> bool:
+        """End ``rid`` at the next step boundary; False if it is not generating."""
+        with self._cv:
+            if rid not in self._generations:
+                return False
+            self._inbox.append(("abort", (rid, why)))
+            self._cv.notify()
+        return True
+
+    def abort_all(self, why: str) -> int:
+        with self._cv:
+            rids = list(self._generations)
+            self._inbox.extend(("abort", (rid, why)) for rid in rids)
+            self._cv.notify()
+        return len(rids)
+
+    def active(self) -> int:
+        with self._cv:
+            return len(self._generations)
+
+    def render_metrics(self) -> bytes:
+        return generate_latest(self.metrics.registry)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    # ---- the engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and self.engine.idle and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    self._inbox.clear()
+                    stopping = True
+                else:
+                    inbox, stopping = list(self._inbox), False
+                    self._inbox.clear()
+            if stopping:
+                self._end_all("the language worker is shutting down")
+                return
+            for op, arg in inbox:
+                self._apply(op, arg)
+            if not self.engine.idle:
+                try:
+                    self._step()
+                except Exception as exc:  # a failing step ends what is running, never the thread
+                    log.exception("engine step failed")
+                    self._end_all(f"engine failure: {type(exc).__name__}: {exc}")
+
+    def _apply(self, op: str, arg) -> None:
+        if op == "add":
+            gen: Generation = arg
+            with self._cv:
+                if self._generations.get(gen.rid) is not gen:  # ended before it was added
+                    return
+            try:
+                self.engine.add(gen.request)
+            except ValueError as exc:  # checked at submit: not expected
+                log.error("rid=%s could not be added: %s", gen.rid, exc)
+                self._end(gen, "abort")
+        else:
+            rid, why = arg
+            gen = self._generations.get(rid)
+            if gen is None:
+                return
+            phase = gen.request.phase
+            if self.engine.abort(rid):
+                self.metrics.aborted.labels(phase.value).inc()
+                self._end(gen, "abort", error=why)
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        now = time.monotonic()
+        by_rid: dict[str, list[int]] = {}
+        ended: dict[str, StepOutput] = {}
+        for out in outputs:
+            tokens = by_rid.setdefault(out.rid, [])
+            if out.token is not None:
+                tokens.append(out.token)
+            if out.finish_reason is not None:
+                ended[out.rid] = out
+        self.metrics.tokens.inc(sum(len(t) for t in by_rid.values()))
+        with self._cv:
+            gens = {rid: self._generations.get(rid) for rid in by_rid}
+        for rid, tokens in by_rid.items():
+            gen = gens[rid]
+            if gen is None:  # nobody waits for it (cannot happen: every engine request has a handle)
+                self.engine.abort(rid)
+                continue
+            if tokens and not gen.first_token_at:
+                gen.first_token_at = now
+                self.metrics.ttft.observe(now - gen.added_at)
+                self.metrics.prompt_tokens.inc(len(gen.request.prompt.input_ids))
+            elif tokens:
+                self.metrics.itl.observe(now - gen.last_token_at)
+            gen.last_token_at = now
+            if rid in ended:
+                out = ended[rid]
+                if out.error:
+                    log.warning("rid=%s ended: %s", rid, out.error)
+                self._end(gen, out.finish_reason, tokens, out.error)
+            else:
+                gen.loop.call_soon_threadsafe(gen.events.put_nowait, Event(tokens))
+
+    def _end(self, gen: Generation, reason: str, tokens: list[int] | None = None, error: str = "") -> None:
+        with self._cv:
+            self._generations.pop(gen.rid, None)
+        self.metrics.finished.labels(reason).inc()
+        gen.loop.call_soon_threadsafe(gen.events.put_nowait, Event(tokens or [], reason, error))
+
+    def _end_all(self, why: str) -> None:
+        """End every request, whatever its phase, with ``why`` (its additions still queued too)."""
+        with self._cv:
+            gens = list(self._generations.values())
+            self._inbox.clear()
+        for gen in gens:
+            if gen.request.phase in (Phase.WAITING, Phase.RUNNING):
+                self.engine.abort(gen.rid)
+            log.warning("rid=%s ended: %s", gen.rid, why)
+            self._end(gen, "abort", error=why)
+
+
+class TextStream:
+    """Token ids -> text, incrementally. A byte-level token may hold part of a character: text is
+    released only up to the last complete character. With stop strings, the text up to the stop
+    string is the answer; the last ``longest stop - 1`` characters are held back until it is
+    certain they do not begin one."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.decoded_upto = 0  # ids[:decoded_upto] are in ``text``
+        self.text = ""  # decoded so far
+        self.sent = 0  # characters of ``text`` handed out
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        """The new text after ``ids`` (all of it when ``final``)."""
+        self.ids.extend(ids)
+        piece = self.tokenizer.decode(self.ids[self.decoded_upto:], skip_special_tokens=True)
+        if final or not piece.endswith("\ufffd"):
+            self.text += piece
+            self.decoded_upto = len(self.ids)
+        end = len(self.text)
+        # a stop string cannot begin in text already sent (that much was held back)
+        cut = min((i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            end = cut
+        elif not final:
+            end -= self.holdback
+        if end <= self.sent:
+            return ""
+        new, self.sent = self.text[self.sent:end], end
+        return new
+
+    def answer(self) -> str:
+        return self.text[:self.sent]
