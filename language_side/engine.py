@@ -1,8 +1,8 @@
 """The generation engine: requests in, tokens out, one step at a time, over a KV budget.
 
 Interface (what another backend, e.g. SGLang's ``Engine`` on a GPU, would implement): ``add``,
-``step``, ``abort``, and the explicit per-request state below (phase, tokens so far, sampler
-state, KV cache) that a snapshot needs.
+``step``, ``abort``, ``suspend`` / ``resume`` (sleep: the running requests' KV to the host and
+back), and the explicit per-request state below (phase, tokens so far, sampler state, KV cache).
 
 A step: first every waiting request whose KV fits the budget is prefilled (in arrival order)
 and gets its first token; then every request that was already running decodes one token. So a
@@ -83,8 +83,14 @@ class GenRequest:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" or "length" once finished, "abort" once aborted
     seq: Sequence | None = field(default=None, repr=False)
+    saved_kv: list | None = field(default=None, repr=False)  # the KV on the host while the engine sleeps
     prefill_seconds: float = 0.0
     generator: torch.Generator = field(default_factory=torch.Generator, repr=False)
+
+    @property
+    def seq_tokens(self) -> int:
+        """Tokens in its KV cache now (the prompt and every generated token but the last)."""
+        return len(self.prompt.input_ids) + max(len(self.output_ids) - 1, 0)
 
     @property
     def kv_tokens(self) -> int:
@@ -106,13 +112,19 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, model: LanguageModel, tokenizer, kv_budget_tokens: int, eos_ids: set[int]) -> None:
+    def __init__(self, model: LanguageModel, tokenizer, kv_budget_tokens: int, eos_ids: set[int],
+                 sleep_kv: str = "keep") -> None:
+        """``sleep_kv``: what a suspend does with the KV: ``keep`` (to the host) or
+        ``recompute`` (drop it; resume replays the prompt and the generated tokens)."""
         if kv_budget_tokens <= 0:
             raise ValueError(f"the KV budget must be positive, got {kv_budget_tokens}")
-        self.model, self.tokenizer, self.eos_ids = model, tokenizer, set(eos_ids)
+        if sleep_kv not in ("keep", "recompute"):
+            raise ValueError(f"sleep_kv must be keep or recompute, got {sleep_kv!r}")
+        self.model, self.tokenizer, self.eos_ids, self.sleep_kv = model, tokenizer, set(eos_ids), sleep_kv
         self.kv_budget, self.kv_used = kv_budget_tokens, 0
         self.waiting: collections.deque[GenRequest] = collections.deque()
         self.running: dict[str, GenRequest] = {}
+        self.suspended = False  # asleep: the running requests' KV is on the host (or dropped), no step runs
 
     def check(self, req: GenRequest) -> None:
         """ValueError (HTTP 400) for a request that could never run: bad sampling parameters, or
@@ -141,6 +153,8 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Prefill what fits, then one decode step for the rest; every token generated."""
+        if self.suspended:
+            raise RuntimeError("the engine is suspended")
         outputs = []
         prefilled: set[str] = set()
         while self.waiting and self.kv_used + self.waiting[0].kv_tokens <= self.kv_budget:
@@ -155,7 +169,8 @@ class Engine:
                 outputs.append(StepOutput(req.rid, None, "abort", f"prefill failed: {type(exc).__name__}: {exc}"))
                 continue
             req.prefill_seconds = time.perf_counter() - start
-            req.image_rows = None  # in the KV cache now
+            if self.sleep_kv == "keep":
+                req.image_rows = None  # in the KV cache now (recompute keeps it to replay the prompt)
             self.running[req.rid] = req
             prefilled.add(req.rid)
             outputs.append(self._emit(req))
@@ -170,6 +185,36 @@ class Engine:
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
+
+    def suspend(self) -> int:
+        """Between steps: move every running request's KV cache to the host, or drop it with
+        ``recompute``; returns the bytes kept. Waiting requests and each request's tokens,
+        sampler state and parameters stay as they are."""
+        if self.suspended:
+            raise RuntimeError("the engine is already suspended")
+        kept = 0
+        for req in self.running.values():
+            assert req.seq is not None
+            if self.sleep_kv == "keep":
+                req.saved_kv = self.model.export_kv(req.seq)
+                kept += sum(k.nbytes + v.nbytes for k, v in req.saved_kv)
+            req.seq = None
+        self.suspended = True
+        return kept
+
+    def resume(self) -> None:
+        """Put every running request's KV back on the device, or recompute it exactly as it was
+        built (the prompt's prefill, then one decode per generated token but the last); the
+        next step goes on from it."""
+        for req in self.running.values():
+            if self.sleep_kv == "keep":
+                assert req.saved_kv is not None
+                req.seq, req.saved_kv = self.model.import_kv(req.saved_kv, req.prompt.delta), None
+            else:
+                req.seq = self.model.prefill(req.prompt, req.image_rows)
+                for token in req.output_ids[:-1]:
+                    self.model.decode(req.seq, token)
+        self.suspended = False
 
     def _emit(self, req: GenRequest) -> StepOutput:
         """Sample the request's next token from its last logits; end it if that was its last."""
@@ -200,7 +245,7 @@ class Engine:
         if req.phase == Phase.RUNNING:  # admitted: its reservation comes back
             self.kv_used -= req.kv_tokens
         req.move(phase)
-        req.finish_reason, req.seq = reason, None  # the KV cache goes with it
+        req.finish_reason, req.seq, req.saved_kv = reason, None, None  # the KV cache goes with it
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

@@ -55,15 +55,57 @@ class LanguageModel:
         # keys and values of every layer, per token, in the model dtype
         self.kv_bytes_per_token = (2 * text.num_hidden_layers * text.num_key_value_heads * head_dim
                                    * torch.empty((), dtype=self.dtype).element_size())
+        self.folder = folder
         with torch.device("meta"):  # no memory until the checkpoint's tensors are assigned
             self.model = Qwen2_5_VLTextModel(text)
             self.lm_head = torch.nn.Linear(text.hidden_size, text.vocab_size, bias=False)
-        body, head = _language_tensors(folder, tie=bool(config.tie_word_embeddings))
+        self.model.eval()
+        self.weights = "none"  # "device", "host" (level-1 sleep) or "none" (level-2 sleep)
+        self.load_weights()
+
+    def load_weights(self) -> None:
+        """Read the language model's tensors from the folder onto the device."""
+        body, head = _language_tensors(self.folder, tie=bool(self.config.tie_word_embeddings))
         self.model.load_state_dict({k: v.to(self.device, self.dtype) for k, v in body.items()}, strict=True, assign=True)
         self.lm_head.load_state_dict({"weight": head.to(self.device, self.dtype)}, strict=True, assign=True)
         with torch.device(self.device):  # non-persistent float32 buffers (rotary frequencies), built for real
-            self.model.rotary_emb = Qwen2_5_VLRotaryEmbedding(config=text)
-        self.model.eval()
+            self.model.rotary_emb = Qwen2_5_VLRotaryEmbedding(config=self.text_config)
+        self.weights = "device"
+
+    def release_weights(self, level: int) -> None:
+        """Sleep: level 1 moves the weights to host memory (where they already are on a CPU),
+        level 2 drops them (:meth:`restore_weights` reads the folder again)."""
+        if level == 1:
+            self.model.to("cpu")
+            self.lm_head.to("cpu")
+            self.weights = "host"
+        else:
+            self.model.to("meta")
+            self.lm_head.to("meta")
+            self.weights = "none"
+
+    def restore_weights(self) -> None:
+        if self.weights == "host":
+            self.model.to(self.device)
+            self.lm_head.to(self.device)
+            self.weights = "device"
+        elif self.weights == "none":
+            self.load_weights()
+
+    def export_kv(self, seq: Sequence) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A sequence's KV cache on the host: per layer, keys and values ``[tokens, kv_heads,
+        head_dim]`` in the model dtype (copies; the cache itself can go)."""
+        return [(layer.keys[0].transpose(0, 1).contiguous().cpu(), layer.values[0].transpose(0, 1).contiguous().cpu())
+                for layer in seq.cache.layers]
+
+    def import_kv(self, kv: list[tuple[torch.Tensor, torch.Tensor]], delta: int) -> Sequence:
+        """The sequence :meth:`export_kv` saved, on the device again (its next step feeds the
+        last generated token, so no logits are needed)."""
+        cache = DynamicCache(config=self.text_config)
+        for index, (keys, values) in enumerate(kv):
+            cache.update(keys.transpose(0, 1)[None].to(self.device), values.transpose(0, 1)[None].to(self.device),
+                         index)
+        return Sequence(cache, delta, torch.empty(0))
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, image_rows: np.ndarray | None) -> Sequence:

@@ -84,17 +84,20 @@ class GenerationMetrics:
 
 
 class GenerationService:
-    def __init__(self, model: LanguageModel, tokenizer, kv_budget_tokens: int, max_waiting: int = 256) -> None:
+    def __init__(self, model: LanguageModel, tokenizer, kv_budget_tokens: int, max_waiting: int = 256,
+                 sleep_kv: str = "keep") -> None:
         """``max_waiting``: requests that may wait for KV budget; more are refused (503)."""
         eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")) if i is not None}
         self.model, self.tokenizer, self.max_waiting = model, tokenizer, max_waiting
-        self.engine = Engine(model, tokenizer, kv_budget_tokens, eos)
+        self.engine = Engine(model, tokenizer, kv_budget_tokens, eos, sleep_kv)
         self.metrics = GenerationMetrics(self.engine)
         self._cv = threading.Condition()
         # ("add", Generation) | ("abort", (rid, why))
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._generations: dict[str, Generation] = {}  # every request not ended, by rid
         self._stop = False
+        self._suspended = False  # asleep: no step runs; aborts still apply
+        self._stepping = threading.Lock()  # held by the engine thread for each step
         self._thread = threading.Thread(target=self._run, name="language-engine", daemon=True)
         self._thread.start()
 
@@ -149,6 +152,27 @@ class GenerationService:
         with self._cv:
             return len(self._generations)
 
+    def suspend(self, level: int) -> dict:
+        """Sleep: stop at the next step boundary (a prefill under way finishes: it is one forward
+        pass), move every running request's KV to the host (or drop it, ``--sleep-kv recompute``)
+        and release the weights (level 1: to host memory, level 2: dropped). Requests keep their
+        tokens, sampler state and streams."""
+        with self._stepping:
+            with self._cv:
+                self._suspended = True
+            kv_bytes = self.engine.suspend()
+            self.model.release_weights(level)
+            return {"generations": len(self.engine.running) + len(self.engine.waiting), "kv_bytes": kv_bytes}
+
+    def resume(self) -> None:
+        """Wake: weights and KV back on the device; every request goes on from its next token."""
+        with self._stepping:
+            self.model.restore_weights()
+            self.engine.resume()
+            with self._cv:
+                self._suspended = False
+                self._cv.notify()
+
     def render_metrics(self) -> bytes:
         return generate_latest(self.metrics.registry)
 
@@ -163,20 +187,18 @@ class GenerationService:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._inbox and self.engine.idle and not self._stop:
+                while not self._stop and not self._inbox and (self._suspended or self.engine.idle):
                     self._cv.wait()
-                if self._stop:
-                    self._inbox.clear()
-                    stopping = True
-                else:
-                    inbox, stopping = list(self._inbox), False
-                    self._inbox.clear()
+                stopping, inbox = self._stop, list(self._inbox)
+                self._inbox.clear()
             if stopping:
                 self._end_all("the language worker is shutting down")
                 return
-            for op, arg in inbox:
-                self._apply(op, arg)
-            if not self.engine.idle:
+            with self._stepping:  # a suspend waits for the step under way
+                for op, arg in inbox:
+                    self._apply(op, arg)
+                if self._suspended or self.engine.idle:
+                    continue
                 try:
                     self._step()
                 except Exception as exc:  # a failing step ends what is running, never the thread

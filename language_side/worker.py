@@ -17,9 +17,11 @@ One scheduler thread drives the queues, woken by status changes (no busy polling
 that disconnects (or ``/abort_request``) cancels its request in any phase: the encoder is told
 and its blocks come back.
 
-Sleep (``preserve_state=true``) suspends every room with its encoder, keeps what landed in
-host memory (and on disk with a checkpoint folder), and releases the pool; wake re-creates it
-under a new generation and continues every request from where it stood, in queue order.
+Sleep (``preserve_state=true``) first suspends the language engine's generations (at a step
+boundary: KV to the host, weights released), then suspends every room with its encoder, keeps
+what landed in host memory (and on disk with a checkpoint folder), and releases the pool; wake
+re-creates it under a new generation, continues every request from where it stood, in queue
+order, and resumes the generations last.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class Generations(Protocol):
     def active(self) -> int: ...
 
     def abort_all(self, why: str) -> int: ...
+
+    def suspend(self, level: int) -> dict: ...
+
+    def resume(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -201,17 +207,15 @@ class LanguageWorker:
                 return {"changed": False, "is_sleeping": True}
             self._disk_error = ""
             with self._step:
-                generating = self.generations.active() if self.generations is not None else 0
-                if generating and preserve_state:
-                    raise TransferFailure(FailureKind.CONFLICT, f"{generating} requests are generating; keeping "
-                                                                f"running generations over a sleep is not supported "
-                                                                f"yet: let them finish, or sleep with "
-                                                                f"preserve_state=false to end them")
                 if owed := self.receivers.fork_rounds_owed():  # their blocks cannot be released yet
                     raise TransferFailure(FailureKind.CONFLICT, f"rooms {owed[:8]} wait for a round from a reference-"
                                                                 f"fork encoder, which cannot be told to pause; sleep "
                                                                 f"again once it has landed")
-                if generating:
+                # The engine first (no token after this), then the transfers; wake-up goes the other way.
+                engine = {}
+                if self.generations is not None and preserve_state:
+                    engine = self.generations.suspend(level)
+                elif self.generations is not None:
                     self.generations.abort_all("the language worker went to sleep (preserve_state=false)")
                 if preserve_state:
                     kept_bytes = self._keep_requests()
@@ -228,12 +232,19 @@ class LanguageWorker:
                     self._saved = None
                     if self.checkpoint_dir:
                         checkpoint_files.remove(self.checkpoint_dir, checkpoint.ROLE)
+                    if engine:
+                        self.generations.resume()  # generations go on awake
                     raise
-        self.metrics.slept(level, preserve_state, time.monotonic() - start, kept_bytes)
+        if engine.get("generations") and self.checkpoint_dir:
+            self._disk_error = "; ".join(filter(None, [self._disk_error, "running generations are kept in memory "
+                                                                          "only, not in the disk checkpoint"]))
+        self.metrics.slept(level, preserve_state, time.monotonic() - start, kept_bytes + engine.get("kv_bytes", 0))
         kept = len(self._saved or [])
-        log.info("language worker asleep (level %d, preserve_state=%s): %d requests kept, %d bytes",
-                 level, preserve_state, kept, kept_bytes)
+        log.info("language worker asleep (level %d, preserve_state=%s): %d requests kept, %d bytes; %d generations, "
+                 "%d KV bytes", level, preserve_state, kept, kept_bytes, engine.get("generations", 0),
+                 engine.get("kv_bytes", 0))
         reply = {"changed": True, "is_sleeping": True, "kept_requests": kept, "kept_bytes": kept_bytes,
+                 "kept_generations": engine.get("generations", 0), "kv_bytes": engine.get("kv_bytes", 0),
                  "seconds": round(time.monotonic() - start, 4)}
         return {**reply, "checkpoint_error": self._disk_error} if self._disk_error else reply
 
@@ -318,6 +329,8 @@ class LanguageWorker:
             if self.checkpoint_dir:
                 checkpoint_files.remove(self.checkpoint_dir, checkpoint.ROLE)
             self._saved = None
+            if self.generations is not None:
+                self.generations.resume()
         self._wake.set()
         restored = len(saved or [])
         self.metrics.woke(time.monotonic() - start, restored)

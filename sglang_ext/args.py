@@ -55,6 +55,10 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                    help="transformers: generate with the language model of --model-path; none: receive embeddings "
                         "and answer their digest (transfer-only); auto: transformers when --model-path is given "
                         "(default %(default)s)")
+    e.add_argument("--sleep-kv", choices=["keep", "recompute"], default="keep",
+                   help="sleep with preserve_state=true: keep each running request's KV cache in host memory, or "
+                        "drop it and recompute it at wake-up from the kept prompt embedding and the generated "
+                        "tokens (same tokens either way) (default %(default)s)")
     g = parser.add_argument_group("embedding transfer")
     g.add_argument("--encoder", choices=["qwen", "fake"], default="qwen",
                    help="encode side: transformers Qwen2.5-VL tower, or the numpy fake for tests (default %(default)s)")

@@ -81,7 +81,8 @@ def _generation_service(args: argparse.Namespace, config):
         raise SystemExit(f"the language model's hidden size is {model.hidden_size} but embeddings are "
                          f"{config.hidden_size} wide: pass --hidden-size {model.hidden_size} to both workers")
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-    return GenerationService(model, tokenizer, args.max_total_tokens or DEFAULT_KV_TOKENS, config.max_queued_requests)
+    return GenerationService(model, tokenizer, args.max_total_tokens or DEFAULT_KV_TOKENS, config.max_queued_requests,
+                             args.sleep_kv)
 
 
 def main(argv: list[str] | None = None) -> None:

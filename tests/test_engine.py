@@ -166,3 +166,54 @@ def test_a_stop_string_of_multibyte_characters_is_found(parts) -> None:
     engine.step()
     req.output_ids[:] = tokenizer("\U0001f642" * 4, add_special_tokens=False)["input_ids"]  # 16 byte tokens
     assert engine._finish_reason(req, req.output_ids[-1]) == "stop"
+
+
+@pytest.mark.parametrize("level, sleep_kv", [(1, "keep"), (2, "keep"), (2, "recompute")])
+def test_suspend_and_resume_between_any_two_steps_give_the_same_tokens(parts, level, sleep_kv) -> None:
+    _, lm, tokenizer = parts
+
+    def requests():
+        return [request(parts, "img", 1, "Describe.", max_new_tokens=12),
+                request(parts, "seeded", None, "Sampled.", max_new_tokens=12, temperature=0.9, top_k=30, seed=5)]
+
+    reference = run_with_pause(new_engine(parts), requests(), lm, level, pause_at=None)
+    for pause_at in (1, 6):
+        engine = Engine(lm, tokenizer, 100_000, {tokenizer.eos_token_id}, sleep_kv)
+        assert run_with_pause(engine, requests(), lm, level, pause_at) == reference
+
+
+def run_with_pause(engine: Engine, reqs: list[GenRequest], lm: LanguageModel, level: int,
+                   pause_at: int | None) -> dict[str, list[int]]:
+    for req in reqs:
+        engine.add(req)
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while not engine.idle:
+        if step == pause_at:
+            kept = engine.suspend()
+            if engine.sleep_kv == "keep":
+                assert kept == sum(lm.kv_bytes_per_token * r.seq_tokens for r in engine.running.values()) > 0
+            else:
+                assert kept == 0 and all(r.image_rows is not None for r in engine.running.values() if r.rid == "img")
+            assert all(r.seq is None for r in engine.running.values())
+            with pytest.raises(RuntimeError, match="the engine is suspended"):
+                engine.step()
+            lm.release_weights(level)
+            assert lm.weights == ("host" if level == 1 else "none")
+            lm.restore_weights()
+            engine.resume()
+        for out in engine.step():
+            tokens.setdefault(out.rid, []).append(out.token)
+        step += 1
+    return tokens
+
+
+def test_an_abort_while_suspended_gives_the_kv_back(parts) -> None:
+    engine = new_engine(parts)
+    engine.add(request(parts, "a", None, "x", max_new_tokens=50))
+    engine.add(request(parts, "b", None, "y", max_new_tokens=50))
+    engine.step()
+    engine.suspend()
+    assert engine.abort("a") and engine.kv_used == engine.running["b"].kv_tokens
+    engine.resume()
+    assert len(run(engine)["b"]) == 49 and engine.kv_used == 0

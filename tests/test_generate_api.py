@@ -274,18 +274,17 @@ def test_an_embedding_that_does_not_match_the_placeholders_is_a_400_and_its_bloc
     assert wait_idle(lang)["free_blocks"] == wait_idle(lang)["num_blocks"]
 
 
-def test_sleep_with_running_generations_is_refused_or_ends_them(workers) -> None:
+def test_sleep_without_preserve_state_ends_running_generations_clearly(workers) -> None:
     _, lang = workers
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(requests.post, f"{lang.url}/generate", json={
             "rid": "sleepy", "text": "z", "sampling_params": {"max_new_tokens": 5000}}, timeout=60)
         _until(lambda: requests.get(f"{lang.url}/health").json()["generating"] == 1)
-        refused = requests.post(f"{lang.url}/sleep?preserve_state=true", timeout=30)
-        assert refused.status_code == 409 and "1 requests are generating" in refused.json()["error"]
         assert requests.post(f"{lang.url}/sleep?preserve_state=false", timeout=30).status_code == 200
-        assert running.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+        finish = running.result().json()["meta_info"]["finish_reason"]
+    assert finish == {"type": "abort", "message": "the language worker went to sleep (preserve_state=false)"}
     refused = requests.post(f"{lang.url}/generate", json={"text": "asleep?"}, timeout=30)
-    assert refused.status_code == 503
+    assert refused.status_code == 503 and refused.headers["Retry-After"]
     assert requests.post(f"{lang.url}/wake_up", timeout=30).status_code == 200
     assert generate(workers, {"text": "awake", "sampling_params": {"max_new_tokens": 3}})["meta_info"][
         "completion_tokens"] == 3

@@ -1,0 +1,149 @@
+"""Sleep and wake with running generations (language worker, real processes): whatever the
+moment (waiting for its embedding, in prefill, decoding, streaming), every request goes on
+after the wake-up with exactly the tokens of an uninterrupted run, greedy and seeded, at sleep
+level 1 (weights kept in host memory) and 2 (weights dropped and read again)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from make_checkpoint import write_checkpoint
+from test_generate_api import CHAT, ROOMS, P, fold_stream, generate, images, metric, wait_idle  # noqa: F401  (fixture)
+from workers import model_workers
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    folder = str(write_checkpoint(tmp_path_factory.mktemp("qwen-sleep-gen"), 3584))
+    with model_workers(folder, "--embedding-default-allocate-buffer-size", "128") as pair:
+        yield pair
+
+
+def specs(paths: dict[str, str]) -> list[tuple[dict, list[str], bool]]:
+    """(body, images, stream): greedy and seeded, streamed and not, text and image, a long prompt."""
+    return [
+        ({"text": CHAT.format("Tell me a story."), "sampling_params": {"max_new_tokens": 40}}, [], True),
+        ({"text": CHAT.format(f"{P}Describe."), "sampling_params": {"max_new_tokens": 30, "temperature": 0.8,
+                                                                    "top_p": 0.9, "seed": 3}},
+         [paths["square"]], False),
+        ({"text": "word " * 1000, "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "seed": 8}}, [], True),
+    ]
+
+
+def start(workers, body: dict, paths: list[str], stream: bool, encode_after: threading.Event) -> dict:
+    """Like ``generate``, but the images go to the encoder only once ``encode_after`` is set."""
+    encode, lang = workers
+    body = dict(body, stream=stream)
+    room = ROOMS.take()
+    if paths:
+        body |= {"bootstrap_host": "127.0.0.1", "bootstrap_port": encode.bootstrap_port, "bootstrap_room": room}
+
+    def send_images():
+        encode_after.wait(120)
+        return requests.post(f"{encode.url}/encode", json={"rid": str(room), "bootstrap_room": room, "images": paths},
+                             timeout=300)
+
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(send_images) if paths else None
+        answer = requests.post(f"{lang.url}/generate", json=body, timeout=300, stream=stream)
+        assert answer.status_code == 200, answer.text
+        result = fold_stream(answer) if stream else answer.json()
+        if sent is not None:
+            assert sent.result().status_code == 200, sent.result().text
+    return result
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_in_every_phase_give_the_uninterrupted_tokens(workers, images, level) -> None:  # noqa: F811
+    sleep_in_every_phase(workers, images, level)
+
+
+def test_with_sleep_kv_recompute_the_tokens_are_the_same(tmp_path_factory, images) -> None:  # noqa: F811
+    folder = str(write_checkpoint(tmp_path_factory.mktemp("qwen-recompute"), 3584))
+    with model_workers(folder, "--embedding-default-allocate-buffer-size", "128", "--sleep-kv", "recompute") as pair:
+        asleep = sleep_in_every_phase(pair, images, 1)
+    assert asleep["kv_bytes"] == 0  # dropped, recomputed at wake-up
+
+
+def sleep_in_every_phase(workers, images: dict[str, str], level: int) -> dict:  # noqa: F811
+    """The cases of ``specs`` alone, then together with a sleep and a wake-up while the greedy
+    stream decodes (the image request waits for its embedding over the sleep, the long prompt
+    may be in prefill); the sleep's reply."""
+    _, lang = workers
+    cases = specs(images)
+    alone = [generate(workers, body, paths, stream) for body, paths, stream in cases]
+    encode_after = threading.Event()  # the image request waits for its embedding over the sleep
+    before = metric(lang, "epd_generated_tokens_total")
+    with ThreadPoolExecutor(len(cases)) as pool:
+        running = [pool.submit(start, workers, body, paths, stream, encode_after) for body, paths, stream in cases]
+        deadline = time.monotonic() + 120
+        # the greedy stream is decoding and the image request waits for its embedding
+        while (metric(lang, "epd_generated_tokens_total") < before + 10
+               or requests.get(f"{lang.url}/health").json()["transferring"] != 1):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        slept = requests.post(f"{lang.url}/sleep?level={level}&preserve_state=true", timeout=120)
+        assert slept.status_code == 200, slept.text
+        asleep = slept.json()
+        assert asleep["kept_generations"] >= 1 and asleep["kept_requests"] == 1
+        frozen = metric(lang, "epd_generated_tokens_total")
+        time.sleep(0.5)
+        assert metric(lang, "epd_generated_tokens_total") == frozen  # nothing runs while asleep
+        assert requests.post(f"{lang.url}/wake_up", timeout=120).status_code == 200
+        encode_after.set()
+        woken = [f.result() for f in running]
+    for (body, _, _), ours, reference in zip(cases, woken, alone, strict=True):
+        assert ours["output_ids"] == reference["output_ids"], body["sampling_params"]
+        assert ours["text"] == reference["text"]
+    health = wait_idle(lang)
+    assert health["generating"] == 0 and health["free_blocks"] == health["num_blocks"]
+    assert metric(lang, "epd_kv_tokens_used") == 0
+    return asleep
+
+
+def test_kept_kv_is_reported_in_bytes(workers) -> None:
+    _, lang = workers
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(requests.post, f"{lang.url}/generate", json={
+            "text": "abc", "sampling_params": {"max_new_tokens": 400}}, timeout=120)
+        deadline = time.monotonic() + 60
+        while requests.get(f"{lang.url}/health").json()["generating"] != 1 or metric(
+                lang, "epd_generations_running") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        asleep = requests.post(f"{lang.url}/sleep?level=1&preserve_state=true", timeout=60).json()
+        assert requests.post(f"{lang.url}/wake_up", timeout=60).status_code == 200
+        done = running.result().json()
+    # 2 KiB per token for the seeded 1-layer model (4 KV heads x 128 x 2 bytes, keys and values)
+    assert asleep["kept_generations"] == 1 and asleep["kv_bytes"] % 2048 == 0 and asleep["kv_bytes"] >= 3 * 2048
+    assert done["meta_info"]["completion_tokens"] == 400
+
+
+def test_a_stream_pauses_over_the_sleep_and_loses_or_repeats_nothing(workers) -> None:
+    _, lang = workers
+    body = {"text": CHAT.format("Count."), "sampling_params": {"max_new_tokens": 80}, "stream": True}
+    reference = generate(workers, {k: v for k, v in body.items() if k != "stream"})
+    answer = requests.post(f"{lang.url}/generate", json=body, stream=True, timeout=120)
+    arrivals: list[tuple[float, list[int]]] = []
+    lines = answer.iter_lines()
+    for line in lines:
+        if line.startswith(b"data: {"):
+            arrivals.append((time.monotonic(), json.loads(line[6:])["output_ids"]))
+            if len(arrivals) == 5:
+                break
+    assert requests.post(f"{lang.url}/sleep?level=1&preserve_state=true", timeout=60).status_code == 200
+    slept_at = time.monotonic()
+    time.sleep(1.0)
+    assert requests.post(f"{lang.url}/wake_up", timeout=60).status_code == 200
+    for line in lines:
+        if line.startswith(b"data: {"):
+            arrivals.append((time.monotonic(), json.loads(line[6:])["output_ids"]))
+    ids = [t for _, chunk in arrivals for t in chunk]
+    assert ids == reference["output_ids"]
+    assert max(b[0] - a[0] for a, b in zip(arrivals, arrivals[1:], strict=False)) >= 0.9  # the pause
+    assert all(at < slept_at or at > slept_at + 0.9 for at, _ in arrivals)  # nothing while asleep
