@@ -192,29 +192,34 @@ class Engine:
         sampler state and parameters stay as they are."""
         if self.suspended:
             raise RuntimeError("the engine is already suspended")
-        kept = 0
-        for req in self.running.values():
-            assert req.seq is not None
-            if self.sleep_kv == "keep":
-                req.saved_kv = self.model.export_kv(req.seq)
-                kept += sum(k.nbytes + v.nbytes for k, v in req.saved_kv)
-            req.seq = None
+        saved = {rid: self.model.export_kv(req.seq) for rid, req in self.running.items() if self.sleep_kv == "keep"}
+        for rid, req in self.running.items():  # all exported (or it raised, changing nothing): commit
+            req.saved_kv, req.seq = saved.get(rid), None
         self.suspended = True
-        return kept
+        return sum(k.nbytes + v.nbytes for kv in saved.values() for k, v in kv)
 
-    def resume(self) -> None:
+    def resume(self) -> list[StepOutput]:
         """Put every running request's KV back on the device, or recompute it exactly as it was
         built (the prompt's prefill, then one decode per generated token but the last); the
-        next step goes on from it."""
-        for req in self.running.values():
-            if self.sleep_kv == "keep":
-                assert req.saved_kv is not None
-                req.seq, req.saved_kv = self.model.import_kv(req.saved_kv, req.prompt.delta), None
-            else:
-                req.seq = self.model.prefill(req.prompt, req.image_rows)
-                for token in req.output_ids[:-1]:
-                    self.model.decode(req.seq, token)
+        next step goes on from it. A request whose KV cannot be rebuilt ends alone: its output
+        says why."""
+        ended = []
+        for req in list(self.running.values()):
+            try:
+                if self.sleep_kv == "keep":
+                    assert req.saved_kv is not None
+                    req.seq, req.saved_kv = self.model.import_kv(req.saved_kv, req.prompt.delta), None
+                else:
+                    req.seq = self.model.prefill(req.prompt, req.image_rows)
+                    for token in req.output_ids[:-1]:
+                        self.model.decode(req.seq, token)
+            except Exception as exc:
+                del self.running[req.rid]
+                self._end(req, Phase.ABORTED, "abort")
+                ended.append(StepOutput(req.rid, None, "abort", f"its KV could not be restored: "
+                                                                f"{type(exc).__name__}: {exc}"))
         self.suspended = False
+        return ended
 
     def _emit(self, req: GenRequest) -> StepOutput:
         """Sample the request's next token from its last logits; end it if that was its last."""

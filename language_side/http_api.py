@@ -111,7 +111,12 @@ def build_app(worker: LanguageWorker, service: GenerationService | None = None) 
         except ValueError as exc:  # PromptError: counts, context length
             raise HTTPError(400, str(exc)) from None
         if body.has_peer:  # admitted before a sleep, which kept its transfer: it goes on after the wake-up
+            deadline = time.monotonic() + worker.gate.max_wait
             while worker.gate.is_sleeping():
+                if client.aborted or time.monotonic() > deadline:
+                    raise TransferFailure(FailureKind.CANCELLED if client.aborted else FailureKind.ASLEEP,
+                                          f"request {rid}: " + ("aborted by /abort_request" if client.aborted else
+                                                                "the language worker slept longer than --max-sleep"))
                 await asyncio.sleep(0.05)
         else:
             await worker.gate.wait_awake()  # 503 while asleep, or wait with --queue-while-sleeping

@@ -157,18 +157,30 @@ class GenerationService:
         pass), move every running request's KV to the host (or drop it, ``--sleep-kv recompute``)
         and release the weights (level 1: to host memory, level 2: dropped). Requests keep their
         tokens, sampler state and streams."""
-        with self._stepping:
+        with self._stepping:  # the engine thread is between steps while this is held
+            kv_bytes = self.engine.suspend()  # raises having changed nothing
+            try:
+                self.model.release_weights(level)
+            except BaseException:
+                self._deliver(self.engine.resume())
+                raise
             with self._cv:
                 self._suspended = True
-            kv_bytes = self.engine.suspend()
-            self.model.release_weights(level)
             return {"generations": len(self.engine.running) + len(self.engine.waiting), "kv_bytes": kv_bytes}
 
     def resume(self) -> None:
-        """Wake: weights and KV back on the device; every request goes on from its next token."""
+        """Wake: weights and KV back on the device; every request goes on from its next token.
+        Nothing to do unless suspended; if the weights cannot be read again, it stays suspended
+        and says why."""
         with self._stepping:
-            self.model.restore_weights()
-            self.engine.resume()
+            if not self._suspended:
+                return
+            try:
+                self.model.restore_weights()
+            except Exception as exc:
+                raise TransferFailure(FailureKind.INTERNAL, f"could not load the language model from "
+                                                            f"{self.model.folder} again: {type(exc).__name__}: {exc}") from exc
+            self._deliver(self.engine.resume())
             with self._cv:
                 self._suspended = False
                 self._cv.notify()
@@ -192,7 +204,8 @@ class GenerationService:
                 stopping, inbox = self._stop, list(self._inbox)
                 self._inbox.clear()
             if stopping:
-                self._end_all("the language worker is shutting down")
+                with self._stepping:  # not while a wake-up rebuilds the KV
+                    self._end_all("the language worker is shutting down")
                 return
             with self._stepping:  # a suspend waits for the step under way
                 for op, arg in inbox:
@@ -227,7 +240,10 @@ class GenerationService:
                 self._end(gen, "abort", error=why)
 
     def _step(self) -> None:
-        outputs = self.engine.step()
+        self._deliver(self.engine.step())
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        """Each request's tokens of a step (or its end) to its handler, in one event."""
         now = time.monotonic()
         by_rid: dict[str, list[int]] = {}
         ended: dict[str, StepOutput] = {}

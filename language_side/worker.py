@@ -20,8 +20,8 @@ and its blocks come back.
 Sleep (``preserve_state=true``) first suspends the language engine's generations (at a step
 boundary: KV to the host, weights released), then suspends every room with its encoder, keeps
 what landed in host memory (and on disk with a checkpoint folder), and releases the pool; wake
-re-creates it under a new generation, continues every request from where it stood, in queue
-order, and resumes the generations last.
+checks a disk checkpoint, resumes the generations (weights and KV back), re-creates the pool
+under a new generation and continues every request from where it stood, in queue order.
 """
 
 from __future__ import annotations
@@ -211,30 +211,21 @@ class LanguageWorker:
                     raise TransferFailure(FailureKind.CONFLICT, f"rooms {owed[:8]} wait for a round from a reference-"
                                                                 f"fork encoder, which cannot be told to pause; sleep "
                                                                 f"again once it has landed")
-                # The engine first (no token after this), then the transfers; wake-up goes the other way.
+                # The engine first (no token after this), then the transfers; a wake-up starts with
+                # the engine too, so a model that cannot be loaded again leaves everything asleep.
                 engine = {}
-                if self.generations is not None and preserve_state:
+                if self.generations is not None:
+                    if not preserve_state:  # applied by the engine thread, suspended or not
+                        self.generations.abort_all("the language worker went to sleep (preserve_state=false)")
                     engine = self.generations.suspend(level)
-                elif self.generations is not None:
-                    self.generations.abort_all("the language worker went to sleep (preserve_state=false)")
-                if preserve_state:
-                    kept_bytes = self._keep_requests()
-                else:
-                    self._abort_requests(FailureKind.ASLEEP, "the language worker went to sleep (preserve_state=false)")
-                    kept_bytes = 0
-                self._consumers.submit(lambda: None).result()  # consumers hold views into the pool
-                self._wait_for_blocks()  # of aborted rooms: they come back with the encoders' acks
                 try:
-                    self._release_pool()
-                except RuntimeError as exc:  # a block still out: stay awake; kept requests cannot go on
-                    for req in self._saved or []:
-                        self._fail(req, FailureKind.INTERNAL, f"the language worker could not fall asleep: {exc}")
-                    self._saved = None
-                    if self.checkpoint_dir:
-                        checkpoint_files.remove(self.checkpoint_dir, checkpoint.ROLE)
-                    if engine:
-                        self.generations.resume()  # generations go on awake
+                    kept_bytes = self._sleep_transfers(preserve_state)
+                except BaseException:
+                    if self.generations is not None:
+                        self.generations.resume()  # awake again: generations go on
                     raise
+        if not preserve_state:
+            engine = {}  # ended, not kept
         if engine.get("generations") and self.checkpoint_dir:
             self._disk_error = "; ".join(filter(None, [self._disk_error, "running generations are kept in memory "
                                                                           "only, not in the disk checkpoint"]))
@@ -247,6 +238,26 @@ class LanguageWorker:
                  "kept_generations": engine.get("generations", 0), "kv_bytes": engine.get("kv_bytes", 0),
                  "seconds": round(time.monotonic() - start, 4)}
         return {**reply, "checkpoint_error": self._disk_error} if self._disk_error else reply
+
+    def _sleep_transfers(self, preserve_state: bool) -> int:
+        """Keep (or abort) every transfer and release the pool; the bytes kept."""
+        if preserve_state:
+            kept_bytes = self._keep_requests()
+        else:
+            self._abort_requests(FailureKind.ASLEEP, "the language worker went to sleep (preserve_state=false)")
+            kept_bytes = 0
+        self._consumers.submit(lambda: None).result()  # consumers hold views into the pool
+        self._wait_for_blocks()  # of aborted rooms: they come back with the encoders' acks
+        try:
+            self._release_pool()
+        except RuntimeError as exc:  # a block still out: stay awake; kept requests cannot go on
+            for req in self._saved or []:
+                self._fail(req, FailureKind.INTERNAL, f"the language worker could not fall asleep: {exc}")
+            self._saved = None
+            if self.checkpoint_dir:
+                checkpoint_files.remove(self.checkpoint_dir, checkpoint.ROLE)
+            raise
+        return kept_bytes
 
     def _keep_requests(self) -> int:
         with self._lock:
@@ -320,6 +331,8 @@ class LanguageWorker:
                 loaded = checkpoint.load(self.checkpoint_dir, self._geometry())  # CheckpointError: HTTP 422
                 saved = [_Request(s.rid, s.bootstrap_addr, s.room, Q.SAVED, saved=s, restored_from_disk=True)
                          for s in loaded]
+            if self.generations is not None:  # before the pool: a model that cannot be loaded leaves all asleep
+                self.generations.resume()
             self.pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
                                    self.config.dtype, prefault=False)
             self.allocator = BlockAllocator(self.config.num_blocks)
@@ -329,8 +342,6 @@ class LanguageWorker:
             if self.checkpoint_dir:
                 checkpoint_files.remove(self.checkpoint_dir, checkpoint.ROLE)
             self._saved = None
-            if self.generations is not None:
-                self.generations.resume()
         self._wake.set()
         restored = len(saved or [])
         self.metrics.woke(time.monotonic() - start, restored)

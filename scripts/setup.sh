@@ -15,8 +15,9 @@ fi
     -e ".[mooncake,encoder,dev]"
 # SGLang for the plugin: its wheel without dependencies, then the short list it needs here.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "$(grep '^sglang==' requirements-sglang-cpu.txt)"
+# (SGLang's full requirement list is deliberately not installed: no resolver report about it.)
 grep -v '^sglang==' requirements-sglang-cpu.txt | .venv/bin/python -m pip install -q --disable-pip-version-check \
-    -c constraints-cpu.txt -r /dev/stdin
+    --no-warn-conflicts -c constraints-cpu.txt -r /dev/stdin
 .venv/bin/python -c "import mooncake.engine, torch, transformers, connector, sglang.srt.plugins" \
     || { echo "setup failed: the environment does not import" >&2; exit 1; }
 echo "setup done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

@@ -177,7 +177,7 @@ def test_suspend_and_resume_between_any_two_steps_give_the_same_tokens(parts, le
                 request(parts, "seeded", None, "Sampled.", max_new_tokens=12, temperature=0.9, top_k=30, seed=5)]
 
     reference = run_with_pause(new_engine(parts), requests(), lm, level, pause_at=None)
-    for pause_at in (1, 6):
+    for pause_at in (0, 1, 6):  # before any prefill, after it, mid-decode
         engine = Engine(lm, tokenizer, 100_000, {tokenizer.eos_token_id}, sleep_kv)
         assert run_with_pause(engine, requests(), lm, level, pause_at) == reference
 
@@ -188,11 +188,12 @@ def run_with_pause(engine: Engine, reqs: list[GenRequest], lm: LanguageModel, le
         engine.add(req)
     tokens: dict[str, list[int]] = {}
     step = 0
-    while not engine.idle:
+    while not engine.idle or step == pause_at:
         if step == pause_at:
             kept = engine.suspend()
             if engine.sleep_kv == "keep":
-                assert kept == sum(lm.kv_bytes_per_token * r.seq_tokens for r in engine.running.values()) > 0
+                assert kept == sum(lm.kv_bytes_per_token * r.seq_tokens for r in engine.running.values())
+                assert (kept > 0) == bool(engine.running)  # nothing runs before the first step
             else:
                 assert kept == 0 and all(r.image_rows is not None for r in engine.running.values() if r.rid == "img")
             assert all(r.seq is None for r in engine.running.values())
@@ -201,7 +202,7 @@ def run_with_pause(engine: Engine, reqs: list[GenRequest], lm: LanguageModel, le
             lm.release_weights(level)
             assert lm.weights == ("host" if level == 1 else "none")
             lm.restore_weights()
-            engine.resume()
+            assert engine.resume() == []
         for out in engine.step():
             tokens.setdefault(out.rid, []).append(out.token)
         step += 1

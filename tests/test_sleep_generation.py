@@ -6,6 +6,7 @@ level 1 (weights kept in host memory) and 2 (weights dropped and read again)."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +19,12 @@ from workers import model_workers
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory):
-    folder = str(write_checkpoint(tmp_path_factory.mktemp("qwen-sleep-gen"), 3584))
+def folder(tmp_path_factory) -> str:
+    return str(write_checkpoint(tmp_path_factory.mktemp("qwen-sleep-gen"), 3584))
+
+
+@pytest.fixture(scope="module")
+def workers(folder):
     with model_workers(folder, "--embedding-default-allocate-buffer-size", "128") as pair:
         yield pair
 
@@ -128,22 +133,68 @@ def test_a_stream_pauses_over_the_sleep_and_loses_or_repeats_nothing(workers) ->
     _, lang = workers
     body = {"text": CHAT.format("Count."), "sampling_params": {"max_new_tokens": 80}, "stream": True}
     reference = generate(workers, {k: v for k, v in body.items() if k != "stream"})
-    answer = requests.post(f"{lang.url}/generate", json=body, stream=True, timeout=120)
-    arrivals: list[tuple[float, list[int]]] = []
-    lines = answer.iter_lines()
-    for line in lines:
-        if line.startswith(b"data: {"):
-            arrivals.append((time.monotonic(), json.loads(line[6:])["output_ids"]))
-            if len(arrivals) == 5:
-                break
+    arrivals: list[tuple[float, list[int]]] = []  # read on a thread: the client keeps reading over the sleep
+
+    def read() -> None:
+        with requests.post(f"{lang.url}/generate", json=body, stream=True, timeout=120) as answer:
+            for line in answer.iter_lines():
+                if line.startswith(b"data: {"):
+                    arrivals.append((time.monotonic(), json.loads(line[6:])["output_ids"]))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while len(arrivals) < 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     assert requests.post(f"{lang.url}/sleep?level=1&preserve_state=true", timeout=60).status_code == 200
     slept_at = time.monotonic()
     time.sleep(1.0)
+    woke_at = time.monotonic()
     assert requests.post(f"{lang.url}/wake_up", timeout=60).status_code == 200
-    for line in lines:
-        if line.startswith(b"data: {"):
-            arrivals.append((time.monotonic(), json.loads(line[6:])["output_ids"]))
-    ids = [t for _, chunk in arrivals for t in chunk]
-    assert ids == reference["output_ids"]
-    assert max(b[0] - a[0] for a, b in zip(arrivals, arrivals[1:], strict=False)) >= 0.9  # the pause
-    assert all(at < slept_at or at > slept_at + 0.9 for at, _ in arrivals)  # nothing while asleep
+    reader.join(120)
+    assert [t for _, chunk in arrivals for t in chunk] == reference["output_ids"]
+    assert not [at for at, _ in arrivals if slept_at < at < woke_at]  # nothing while asleep
+    assert any(at > woke_at for at, _ in arrivals)  # and the rest after
+
+
+def test_abort_while_asleep_and_a_model_that_cannot_be_loaded_again(workers, folder, tmp_path) -> None:
+    """Level 2 drops the weights: a folder that lost its weights meanwhile keeps the worker
+    asleep with the reason; once they are back, the wake-up goes on exactly. A request aborted
+    while asleep ends at once and gives its KV back."""
+    _, lang = workers
+    keep = {"text": CHAT.format("Keep me."), "sampling_params": {"max_new_tokens": 60}}
+    reference = generate(workers, keep)
+    with ThreadPoolExecutor(2) as pool:
+        kept = pool.submit(requests.post, f"{lang.url}/generate", json=dict(keep, rid="kept"), timeout=120)
+        dropped = pool.submit(requests.post, f"{lang.url}/generate", json={
+            "rid": "dropped", "text": "x", "sampling_params": {"max_new_tokens": 500}}, timeout=120)
+        _wait(lambda: metric(lang, "epd_generations_running") == 2)
+        assert requests.post(f"{lang.url}/sleep?level=2&preserve_state=true", timeout=60).json()["kept_generations"] == 2
+        assert requests.post(f"{lang.url}/abort_request", json={"rid": "dropped"}).json()["aborted"] is True
+        assert dropped.result().json()["meta_info"]["finish_reason"] == {"type": "abort",
+                                                                         "message": "aborted by /abort_request"}
+        weights = f"{folder}/model.safetensors"
+        os.replace(weights, tmp_path / "w")
+        refused = requests.post(f"{lang.url}/wake_up", timeout=60)
+        assert refused.status_code == 500 and "could not load the language model from" in refused.json()["error"]
+        assert requests.get(f"{lang.url}/is_sleeping").json()["is_sleeping"] is True
+        os.replace(tmp_path / "w", weights)
+        assert requests.post(f"{lang.url}/wake_up", timeout=60).status_code == 200
+        assert kept.result().json()["output_ids"] == reference["output_ids"]
+    assert wait_idle(lang)["generating"] == 0 and metric(lang, "epd_kv_tokens_used") == 0
+
+
+def test_a_wake_up_after_a_sleep_without_preserve_state_serves_again(workers) -> None:
+    _, lang = workers
+    assert requests.post(f"{lang.url}/sleep?level=2&preserve_state=false", timeout=60).status_code == 200
+    assert requests.post(f"{lang.url}/wake_up", timeout=60).status_code == 200
+    body = {"text": CHAT.format("Again."), "sampling_params": {"max_new_tokens": 8}}
+    assert len(generate(workers, body)["output_ids"]) == 8
+
+
+def _wait(check, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
