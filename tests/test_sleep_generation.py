@@ -32,7 +32,7 @@ def workers(folder):
 def specs(paths: dict[str, str]) -> list[tuple[dict, list[str], bool]]:
     """(body, images, stream): greedy and seeded, streamed and not, text and image, a long prompt."""
     return [
-        ({"text": CHAT.format("Tell me a story."), "sampling_params": {"max_new_tokens": 40}}, [], True),
+        ({"text": CHAT.format("Tell me a story."), "sampling_params": {"max_new_tokens": 600}}, [], True),
         ({"text": CHAT.format(f"{P}Describe."), "sampling_params": {"max_new_tokens": 30, "temperature": 0.8,
                                                                     "top_p": 0.9, "seed": 3}},
          [paths["square"]], False),
@@ -86,21 +86,23 @@ def sleep_in_every_phase(workers, images: dict[str, str], level: int) -> dict:  
     before = metric(lang, "epd_generated_tokens_total")
     with ThreadPoolExecutor(len(cases)) as pool:
         running = [pool.submit(start, workers, body, paths, stream, encode_after) for body, paths, stream in cases]
-        deadline = time.monotonic() + 120
-        # the greedy stream is decoding and the image request waits for its embedding
-        while (metric(lang, "epd_generated_tokens_total") < before + 10
-               or requests.get(f"{lang.url}/health").json()["transferring"] != 1):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        slept = requests.post(f"{lang.url}/sleep?level={level}&preserve_state=true", timeout=120)
-        assert slept.status_code == 200, slept.text
-        asleep = slept.json()
-        assert asleep["kept_generations"] >= 1 and asleep["kept_requests"] == 1
-        frozen = metric(lang, "epd_generated_tokens_total")
-        time.sleep(0.5)
-        assert metric(lang, "epd_generated_tokens_total") == frozen  # nothing runs while asleep
-        assert requests.post(f"{lang.url}/wake_up", timeout=120).status_code == 200
-        encode_after.set()
+        try:
+            deadline = time.monotonic() + 120
+            # the greedy stream is decoding and the image request waits for its embedding
+            while (metric(lang, "epd_generated_tokens_total") < before + 10
+                   or requests.get(f"{lang.url}/health").json()["transferring"] != 1):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            slept = requests.post(f"{lang.url}/sleep?level={level}&preserve_state=true", timeout=120)
+            assert slept.status_code == 200, slept.text
+            asleep = slept.json()
+            assert asleep["kept_generations"] >= 1 and asleep["kept_requests"] == 1, asleep
+            frozen = metric(lang, "epd_generated_tokens_total")
+            time.sleep(0.5)
+            assert metric(lang, "epd_generated_tokens_total") == frozen  # nothing runs while asleep
+        finally:  # whatever failed above, nobody is left waiting
+            requests.post(f"{lang.url}/wake_up", timeout=120)
+            encode_after.set()
         woken = [f.result() for f in running]
     for (body, _, _), ours, reference in zip(cases, woken, alone, strict=True):
         assert ours["output_ids"] == reference["output_ids"], body["sampling_params"]
@@ -131,7 +133,7 @@ def test_kept_kv_is_reported_in_bytes(workers) -> None:
 
 def test_a_stream_pauses_over_the_sleep_and_loses_or_repeats_nothing(workers) -> None:
     _, lang = workers
-    body = {"text": CHAT.format("Count."), "sampling_params": {"max_new_tokens": 80}, "stream": True}
+    body = {"text": CHAT.format("Count."), "sampling_params": {"max_new_tokens": 400}, "stream": True}
     reference = generate(workers, {k: v for k, v in body.items() if k != "stream"})
     arrivals: list[tuple[float, list[int]]] = []  # read on a thread: the client keeps reading over the sleep
 
@@ -147,12 +149,15 @@ def test_a_stream_pauses_over_the_sleep_and_loses_or_repeats_nothing(workers) ->
     while len(arrivals) < 5:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert requests.post(f"{lang.url}/sleep?level=1&preserve_state=true", timeout=60).status_code == 200
-    slept_at = time.monotonic()
-    time.sleep(1.0)
-    woke_at = time.monotonic()
-    assert requests.post(f"{lang.url}/wake_up", timeout=60).status_code == 200
+    try:
+        asleep = requests.post(f"{lang.url}/sleep?level=1&preserve_state=true", timeout=60).json()
+        slept_at = time.monotonic()
+        time.sleep(1.0)
+        woke_at = time.monotonic()
+    finally:
+        assert requests.post(f"{lang.url}/wake_up", timeout=60).status_code == 200
     reader.join(120)
+    assert asleep["kept_generations"] == 1, asleep  # it was mid-stream
     assert [t for _, chunk in arrivals for t in chunk] == reference["output_ids"]
     assert not [at for at, _ in arrivals if slept_at < at < woke_at]  # nothing while asleep
     assert any(at > woke_at for at, _ in arrivals)  # and the rest after
