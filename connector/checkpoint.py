@@ -58,7 +58,7 @@ def save(folder: str | Path, role: str, meta: dict, tensors: dict[str, np.ndarra
     folder.mkdir(parents=True, exist_ok=True)
     body = json.dumps({"format": FORMAT, "role": role, **meta}, sort_keys=True).encode()
     blob = save_tensors({k: np.ascontiguousarray(v) for k, v in tensors.items()})
-    digest = hashlib.sha256(body + blob).hexdigest().encode()
+    digest = _digest(body, blob)
     for path, data in zip(_paths(folder, role), (body, blob, digest), strict=True):
         tmp = path.with_suffix(path.suffix + ".tmp")
         with open(tmp, "wb") as f:
@@ -67,6 +67,13 @@ def save(folder: str | Path, role: str, meta: dict, tensors: dict[str, np.ndarra
             os.fsync(f.fileno())
         tmp.replace(path)
     return len(body) + len(blob)
+
+
+def _digest(body: bytes, blob: bytes) -> bytes:
+    """sha256 of the JSON bytes then the tensor bytes (fed in turn: no joined copy of the blob)."""
+    h = hashlib.sha256(body)
+    h.update(blob)
+    return h.hexdigest().encode()
 
 
 def save_or_explain(folder: str | Path, write: Callable[[], int]) -> tuple[int | None, str]:
@@ -90,7 +97,7 @@ def load(folder: str | Path, role: str, expect: dict) -> tuple[dict, dict[str, n
         body, blob, digest = json_path.read_bytes(), tensor_path.read_bytes(), sum_path.read_bytes().strip()
     except FileNotFoundError as exc:
         raise CheckpointError(f"checkpoint in {folder} is incomplete: {Path(exc.filename).name} is missing") from None
-    if hashlib.sha256(body + blob).hexdigest().encode() != digest:
+    if _digest(body, blob) != digest:
         raise CheckpointError(f"checkpoint in {folder} is corrupt or truncated (checksum mismatch)")
     try:
         meta = json.loads(body)
@@ -111,10 +118,16 @@ def load(folder: str | Path, role: str, expect: dict) -> tuple[dict, dict[str, n
 
 def load_entries(folder: str | Path, role: str, expect: dict, key: str,
                  parse: Callable[[int, dict, dict[str, np.ndarray]], T]) -> list[T]:
-    """Load a checkpoint whose JSON lists its entries under ``key``; ``parse(i, entry, tensors)``
-    builds one and raises ``KeyError``/``TypeError``/``ValueError`` on a malformed one, which
-    becomes a :class:`CheckpointError` for the whole checkpoint."""
+    """Load a checkpoint whose JSON lists its entries under ``key`` (see :func:`parse_entries`)."""
     meta, tensors = load(folder, role, expect)
+    return parse_entries(folder, meta, tensors, key, parse)
+
+
+def parse_entries(folder: str | Path, meta: dict, tensors: dict[str, np.ndarray], key: str,
+                  parse: Callable[[int, dict, dict[str, np.ndarray]], T]) -> list[T]:
+    """The entries listed under ``key``: ``parse(i, entry, tensors)`` builds one and raises
+    ``KeyError``/``TypeError``/``ValueError`` on a malformed one, which becomes a
+    :class:`CheckpointError` for the whole checkpoint."""
     try:
         return [parse(i, entry, tensors) for i, entry in enumerate(meta[key])]
     except (KeyError, TypeError, ValueError) as exc:

@@ -198,16 +198,34 @@ class Engine:
         self.suspended = True
         return sum(k.nbytes + v.nbytes for kv in saved.values() for k, v in kv)
 
+    def restore(self, requests: list[GenRequest]) -> None:
+        """Take the requests of a disk checkpoint (written by :meth:`suspend`'s caller in an
+        earlier process) into this idle engine, suspended, as they stood: waiting ones wait
+        again in their order, running ones hold their KV reservation; :meth:`resume` goes on.
+        ValueError, changing nothing, for requests that cannot run here."""
+        if not self.idle:
+            raise ValueError("the engine already has requests")
+        running = [r for r in requests if r.phase == Phase.RUNNING]
+        if len({r.rid for r in requests}) != len(requests):
+            raise ValueError("two generations have the same rid")
+        for req in requests:
+            self.check(req)
+        if (need := sum(r.kv_tokens for r in running)) > self.kv_budget:
+            raise ValueError(f"the running generations reserve {need} KV tokens; the KV budget is {self.kv_budget}")
+        self.waiting.extend(r for r in requests if r.phase == Phase.WAITING)
+        self.running.update((r.rid, r) for r in running)
+        self.kv_used = need
+        self.suspended = True
+
     def resume(self) -> list[StepOutput]:
         """Put every running request's KV back on the device, or recompute it exactly as it was
-        built (the prompt's prefill, then one decode per generated token but the last); the
-        next step goes on from it. A request whose KV cannot be rebuilt ends alone: its output
-        says why."""
+        built (the prompt's prefill, then one decode per generated token but the last) where it
+        was dropped (``recompute``); the next step goes on from it. A request whose KV cannot be
+        rebuilt ends alone: its output says why."""
         ended = []
         for req in list(self.running.values()):
             try:
-                if self.sleep_kv == "keep":
-                    assert req.saved_kv is not None
+                if req.saved_kv is not None:
                     req.seq, req.saved_kv = self.model.import_kv(req.saved_kv, req.prompt.delta), None
                 else:
                     req.seq = self.model.prefill(req.prompt, req.image_rows)
@@ -250,7 +268,7 @@ class Engine:
         if req.phase == Phase.RUNNING:  # admitted: its reservation comes back
             self.kv_used -= req.kv_tokens
         req.move(phase)
-        req.finish_reason, req.seq, req.saved_kv = reason, None, None  # the KV cache goes with it
+        req.finish_reason, req.seq, req.saved_kv, req.image_rows = reason, None, None, None  # its KV goes with it
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

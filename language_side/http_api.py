@@ -76,6 +76,9 @@ def build_app(worker: LanguageWorker, service: GenerationService | None = None) 
     async def _generate(request: web.Request, body: GenerateIn, params, rid: str, client: _Client,
                         arrived: float) -> web.StreamResponse:
         assert service is not None
+        if body.rid is not None and (restored := service.claim(rid)) is not None:
+            # restored from a disk checkpoint after a restart: its whole output, then the rest
+            return await _answer(request, restored, body.stream, {}, arrived)
         tokenizer = service.tokenizer
         text = body.text if body.text is not None else await asyncio.to_thread(
             render_chat, tokenizer, [m.for_template() for m in body.messages or []])
@@ -127,19 +130,25 @@ def build_app(worker: LanguageWorker, service: GenerationService | None = None) 
         del rows  # the engine holds the embedding now
         if client.aborted:  # /abort_request came while the prompt was built
             service.abort(rid, "aborted by /abort_request")
-        texts = TextStream(tokenizer, params.stop)
+        return await _answer(request, gen, body.stream, transfer, arrived)
+
+    async def _answer(request: web.Request, gen: Generation, stream: bool, transfer: dict,
+                      arrived: float) -> web.StreamResponse:
+        """The generation's events as one reply, or as a stream."""
+        assert service is not None
+        texts = TextStream(service.tokenizer, gen.request.params.stop)
         try:
-            if body.stream:
+            if stream:
                 return await _stream(request, gen, texts, transfer, arrived)
             ids, event = [], None
             while event is None or event.finish_reason is None:
                 event = await gen.events.get()
                 ids += event.token_ids
             await asyncio.to_thread(texts.push, ids, True)
-            return web.json_response({"rid": rid, "text": texts.answer(), "output_ids": ids, **transfer,
+            return web.json_response({"rid": gen.rid, "text": texts.answer(), "output_ids": ids, **transfer,
                                       "meta_info": _meta(gen, ids, event, transfer, arrived)})
         finally:  # ended, or the client went away (cancelled, reset): a no-op once it has ended
-            service.abort(rid, "the client went away")
+            service.abort(gen.rid, "the client went away")
 
     async def _stream(request: web.Request, gen: Generation, texts: TextStream, transfer: dict,
                       arrived: float) -> web.StreamResponse:

@@ -11,6 +11,7 @@ nothing is shared between requests on the model (transformers' ``rope_deltas`` i
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,10 @@ class LanguageModel:
         self.kv_bytes_per_token = (2 * text.num_hidden_layers * text.num_key_value_heads * head_dim
                                    * torch.empty((), dtype=self.dtype).element_size())
         self.folder = folder
+        # what saved KV and token ids must match to be used with this model (a disk checkpoint)
+        self.geometry = {"config_sha256": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest(),
+                         "dtype": str(self.dtype).removeprefix("torch."), "layers": text.num_hidden_layers,
+                         "kv_heads": text.num_key_value_heads, "head_dim": head_dim, "vocab_size": self.vocab_size}
         with torch.device("meta"):  # no memory until the checkpoint's tensors are assigned
             self.model = Qwen2_5_VLTextModel(text)
             self.lm_head = torch.nn.Linear(text.hidden_size, text.vocab_size, bias=False)
@@ -76,8 +81,9 @@ class LanguageModel:
         """Sleep: level 1 moves the weights to host memory (where they already are on a CPU),
         level 2 drops them (:meth:`restore_weights` reads the folder again)."""
         if level == 1:
-            self.model.to("cpu")
-            self.lm_head.to("cpu")
+            if self.device.type != "cpu":  # on a CPU they are in host memory already
+                self.model.to("cpu")
+                self.lm_head.to("cpu")
             self.weights = "host"
         else:
             self.model.to("meta")
@@ -86,25 +92,31 @@ class LanguageModel:
 
     def restore_weights(self) -> None:
         if self.weights == "host":
-            self.model.to(self.device)
-            self.lm_head.to(self.device)
+            if self.device.type != "cpu":
+                self.model.to(self.device)
+                self.lm_head.to(self.device)
             self.weights = "device"
         elif self.weights == "none":
             self.load_weights()
 
     def export_kv(self, seq: Sequence) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A sequence's KV cache on the host: per layer, keys and values ``[tokens, kv_heads,
-        head_dim]`` in the model dtype (copies; the cache itself can go)."""
-        return [(layer.keys[0].transpose(0, 1).contiguous().cpu(), layer.values[0].transpose(0, 1).contiguous().cpu())
+        head_dim]`` in the model dtype; the cache itself can go. From a GPU one copy each; on a
+        CPU device they already are in host memory: views of the cache's own tensors, no copy
+        (a cache never writes into a tensor it has handed out: each step concatenates anew)."""
+        return [(layer.keys[0].transpose(0, 1).to("cpu"), layer.values[0].transpose(0, 1).to("cpu"))
                 for layer in seq.cache.layers]
 
     def import_kv(self, kv: list[tuple[torch.Tensor, torch.Tensor]], delta: int) -> Sequence:
         """The sequence :meth:`export_kv` saved, on the device again (its next step feeds the
         last generated token, so no logits are needed)."""
         cache = DynamicCache(config=self.text_config)
-        for index, (keys, values) in enumerate(kv):
-            cache.update(keys.transpose(0, 1)[None].to(self.device), values.transpose(0, 1)[None].to(self.device),
-                         index)
+        for layer, (keys, values) in zip(cache.layers, kv, strict=True):
+            k, v = keys.transpose(0, 1)[None].to(self.device), values.transpose(0, 1)[None].to(self.device)
+            # the tensors themselves, not ``update`` (which would concatenate them onto an empty
+            # one: a copy that the next step's concatenation makes anyway)
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
         return Sequence(cache, delta, torch.empty(0))
 
     @torch.inference_mode()

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +29,7 @@ from language_side.prompt import Prompt
 
 log = logging.getLogger(__name__)
 
+UNCLAIMED_SECONDS = 600.0  # how long a generation restored from disk waits for its client to ask again
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -39,15 +42,36 @@ class Event:
 
 @dataclass
 class Generation:
-    """One request's handle: its events arrive on ``events`` (on the handler's loop)."""
+    """One request's handle: its events arrive on ``events`` (on the handler's loop). A
+    generation restored from a disk checkpoint has no handler (``loop`` None) until a client
+    asks for its rid again: its events wait in ``backlog`` meanwhile."""
 
     rid: str
     request: GenRequest
-    loop: asyncio.AbstractEventLoop
+    loop: asyncio.AbstractEventLoop | None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     added_at: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
     last_token_at: float = 0.0
+    backlog: list[Event] = field(default_factory=list)
+    _posting: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def post(self, event: Event) -> None:
+        """From the engine thread: to the handler's queue, or to the backlog until there is one."""
+        with self._posting:
+            loop = self.loop
+            if loop is None:
+                self.backlog.append(event)
+                return
+        loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On ``loop``: a client for a handler-less generation; what waited comes first."""
+        with self._posting:
+            self.loop = loop
+            for event in self.backlog:
+                self.events.put_nowait(event)
+            self.backlog.clear()
 
     def timings(self) -> dict[str, float]:
         """Milliseconds: waiting for the KV budget, prefill, to the first token, decoding."""
@@ -95,9 +119,12 @@ class GenerationService:
         # ("add", Generation) | ("abort", (rid, why))
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._generations: dict[str, Generation] = {}  # every request not ended, by rid
+        # restored from a disk checkpoint and not yet asked for again (ended ones too), by rid
+        self._unclaimed: dict[str, Generation] = {}
         self._stop = False
         self._suspended = False  # asleep: no step runs; aborts still apply
         self._stepping = threading.Lock()  # held by the engine thread for each step
+        self._holding = 0  # callers waiting for (or holding) the engine between steps
         self._thread = threading.Thread(target=self._run, name="language-engine", daemon=True)
         self._thread.start()
 
@@ -132,6 +159,23 @@ class GenerationService:
             self._cv.notify()
         return gen
 
+    def claim(self, rid: str) -> Generation | None:
+        """The generation ``rid`` restored from a disk checkpoint, for the client that asks for it
+        again (its whole output comes first); None when there is none. Unclaimed ones are
+        forgotten after ``UNCLAIMED_SECONDS``."""
+        with self._cv:
+            now = time.monotonic()
+            for old in [g for g in self._unclaimed.values() if now - g.added_at > UNCLAIMED_SECONDS]:
+                del self._unclaimed[old.rid]
+                log.warning("rid=%s: restored from disk and never asked for again; forgotten", old.rid)
+                if old.rid in self._generations:  # still generating, for nobody
+                    self._inbox.append(("abort", (old.rid, "restored from disk and never asked for again")))
+                    self._cv.notify()
+            gen = self._unclaimed.pop(rid, None)
+        if gen is not None:
+            gen.attach(asyncio.get_running_loop())
+        return gen
+
     def abort(self, rid: str, why: str = "") -> bool:
         """End ``rid`` at the next step boundary; False if it is not generating."""
         with self._cv:
@@ -156,8 +200,16 @@ class GenerationService:
         """Sleep: stop at the next step boundary (a prefill under way finishes: it is one forward
         pass), move every running request's KV to the host (or drop it, ``--sleep-kv recompute``)
         and release the weights (level 1: to host memory, level 2: dropped). Requests keep their
-        tokens, sampler state and streams."""
-        with self._stepping:  # the engine thread is between steps while this is held
+        tokens, sampler state and streams. Says how long it waited for the step under way and
+        how long the suspension itself took."""
+        asked = time.perf_counter()
+        with self._between_steps():
+            held = time.perf_counter()
+            with self._cv:  # what was submitted is in the engine (and in a snapshot) from now on
+                inbox = list(self._inbox)
+                self._inbox.clear()
+            for op, arg in inbox:
+                self._apply(op, arg)
             kv_bytes = self.engine.suspend()  # raises having changed nothing
             try:
                 self.model.release_weights(level)
@@ -166,15 +218,41 @@ class GenerationService:
                 raise
             with self._cv:
                 self._suspended = True
-            return {"generations": len(self.engine.running) + len(self.engine.waiting), "kv_bytes": kv_bytes}
+            return {"generations": len(self.engine.running) + len(self.engine.waiting), "kv_bytes": kv_bytes,
+                    "step_wait_ms": _ms(held - asked), "suspend_ms": _ms(time.perf_counter() - held)}
 
-    def resume(self) -> None:
+    def snapshot(self) -> list[GenRequest]:
+        """While suspended: every request in the engine, waiting ones in their order, with the
+        state a disk checkpoint needs (KV on the host, or the image embedding to recompute it)."""
+        with self._between_steps():
+            if not self._suspended:
+                raise RuntimeError("a snapshot needs a suspended engine")
+            # shallow copies: an abort while asleep clears a request's fields, never these copies
+            return [dataclasses.replace(r) for r in [*self.engine.running.values(), *self.engine.waiting]]
+
+    def restore(self, requests: list[GenRequest]) -> None:
+        """Take a disk checkpoint's requests (ValueError, changing nothing, if they cannot run
+        here); they go on at :meth:`resume`, each waiting for a client to claim it."""
+        with self._between_steps():
+            self.engine.restore(requests)
+            now = time.monotonic()
+            with self._cv:
+                for req in requests:
+                    gen = Generation(req.rid, req, None, first_token_at=now if req.output_ids else 0.0,
+                                     last_token_at=now if req.output_ids else 0.0)
+                    if req.output_ids:  # what its first client already had: the whole output is replayed
+                        gen.backlog.append(Event(list(req.output_ids)))
+                    self._generations[req.rid] = self._unclaimed[req.rid] = gen
+                self._suspended = True
+
+    def resume(self) -> float:
         """Wake: weights and KV back on the device; every request goes on from its next token.
         Nothing to do unless suspended; if the weights cannot be read again, it stays suspended
-        and says why."""
-        with self._stepping:
+        and says why. Returns the milliseconds it took."""
+        with self._between_steps():
             if not self._suspended:
-                return
+                return 0.0
+            start = time.perf_counter()
             try:
                 self.model.restore_weights()
             except Exception as exc:
@@ -184,6 +262,25 @@ class GenerationService:
             with self._cv:
                 self._suspended = False
                 self._cv.notify()
+            return _ms(time.perf_counter() - start)
+
+    def model_geometry(self) -> dict:
+        return self.model.geometry
+
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """Hold the engine between two steps. The engine thread waits while anyone asks for this:
+        a lock alone is not fair, and a thread that steps again at once could take it first for
+        many steps in a row."""
+        with self._cv:
+            self._holding += 1
+        try:
+            with self._stepping:
+                yield
+        finally:
+            with self._cv:
+                self._holding -= 1
+                self._cv.notify_all()
 
     def render_metrics(self) -> bytes:
         return generate_latest(self.metrics.registry)
@@ -199,7 +296,7 @@ class GenerationService:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._inbox and (self._suspended or self.engine.idle):
+                while not self._stop and (self._holding or not self._inbox and (self._suspended or self.engine.idle)):
                     self._cv.wait()
                 stopping, inbox = self._stop, list(self._inbox)
                 self._inbox.clear()
@@ -274,13 +371,13 @@ class GenerationService:
                     log.warning("rid=%s ended: %s", rid, out.error)
                 self._end(gen, out.finish_reason, tokens, out.error)
             else:
-                gen.loop.call_soon_threadsafe(gen.events.put_nowait, Event(tokens))
+                gen.post(Event(tokens))
 
     def _end(self, gen: Generation, reason: str, tokens: list[int] | None = None, error: str = "") -> None:
         with self._cv:
             self._generations.pop(gen.rid, None)
         self.metrics.finished.labels(reason).inc()
-        gen.loop.call_soon_threadsafe(gen.events.put_nowait, Event(tokens or [], reason, error))
+        gen.post(Event(tokens or [], reason, error))
 
     def _end_all(self, why: str) -> None:
         """End every request, whatever its phase, with ``why`` (its additions still queued too)."""

@@ -50,6 +50,7 @@ from connector.sleep import SleepGate
 from language_side import checkpoint
 from language_side.checkpoint import SavedRequest
 from language_side.consumers import Consumer, DigestConsumer
+from language_side.engine import GenRequest
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,13 @@ class Generations(Protocol):
 
     def suspend(self, level: int) -> dict: ...
 
-    def resume(self) -> None: ...
+    def resume(self) -> float: ...
+
+    def snapshot(self) -> list[GenRequest]: ...
+
+    def restore(self, requests: list[GenRequest]) -> None: ...
+
+    def model_geometry(self) -> dict: ...
 
     def close(self) -> None: ...
 
@@ -224,19 +231,25 @@ class LanguageWorker:
                     if self.generations is not None:
                         self.generations.resume()  # awake again: generations go on
                     raise
+                disk = {}
+                if preserve_state and self.checkpoint_dir:
+                    written_at = time.monotonic()
+                    if (written := self._write_checkpoint()) is not None:
+                        kept_bytes = written
+                        disk = {"checkpoint_bytes": written,
+                                "checkpoint_ms": round((time.monotonic() - written_at) * 1e3, 3)}
         if not preserve_state:
             engine = {}  # ended, not kept
-        if engine.get("generations") and self.checkpoint_dir:
-            self._disk_error = "; ".join(filter(None, [self._disk_error, "running generations are kept in memory "
-                                                                          "only, not in the disk checkpoint"]))
-        self.metrics.slept(level, preserve_state, time.monotonic() - start, kept_bytes + engine.get("kv_bytes", 0))
+        self.metrics.slept(level, preserve_state, time.monotonic() - start,
+                           disk.get("checkpoint_bytes", kept_bytes + engine.get("kv_bytes", 0)))
         kept = len(self._saved or [])
         log.info("language worker asleep (level %d, preserve_state=%s): %d requests kept, %d bytes; %d generations, "
                  "%d KV bytes", level, preserve_state, kept, kept_bytes, engine.get("generations", 0),
                  engine.get("kv_bytes", 0))
         reply = {"changed": True, "is_sleeping": True, "kept_requests": kept, "kept_bytes": kept_bytes,
                  "kept_generations": engine.get("generations", 0), "kv_bytes": engine.get("kv_bytes", 0),
-                 "seconds": round(time.monotonic() - start, 4)}
+                 "step_wait_ms": engine.get("step_wait_ms", 0.0), "engine_ms": engine.get("suspend_ms", 0.0),
+                 "seconds": round(time.monotonic() - start, 4), **disk}
         return {**reply, "checkpoint_error": self._disk_error} if self._disk_error else reply
 
     def _sleep_transfers(self, preserve_state: bool) -> int:
@@ -254,10 +267,17 @@ class LanguageWorker:
             for req in self._saved or []:
                 self._fail(req, FailureKind.INTERNAL, f"the language worker could not fall asleep: {exc}")
             self._saved = None
-            if self.checkpoint_dir:
-                checkpoint_files.remove(self.checkpoint_dir, checkpoint.ROLE)
             raise
         return kept_bytes
+
+    def _write_checkpoint(self) -> int | None:
+        """The kept requests and the suspended engine's generations, on disk in one checkpoint;
+        its size, or None (the reason in ``_disk_error``: they stay in host memory only)."""
+        generations = self.generations.snapshot() if self.generations is not None else []
+        written, self._disk_error = checkpoint_files.save_or_explain(self.checkpoint_dir, lambda: checkpoint.save(
+            self.checkpoint_dir, self._geometry(), [r.saved for r in self._saved or []], self.receivers.rank_port,
+            generations))
+        return written
 
     def _keep_requests(self) -> int:
         with self._lock:
@@ -292,12 +312,7 @@ class LanguageWorker:
             self._saved = kept + waiting
             self._prealloc.clear()
             self._transfer.clear()
-        kept_bytes = sum(r.saved.transfer.landed * (self.pool.row_bytes + 16) for r in kept if r.saved.transfer)
-        if self.checkpoint_dir:
-            written, self._disk_error = checkpoint_files.save_or_explain(self.checkpoint_dir, lambda: checkpoint.save(
-                self.checkpoint_dir, self._geometry(), [r.saved for r in self._saved], self.receivers.rank_port))
-            kept_bytes = kept_bytes if written is None else written
-        return kept_bytes
+        return sum(r.saved.transfer.landed * (self.pool.row_bytes + 16) for r in kept if r.saved.transfer)
 
     def _abort_requests(self, kind: FailureKind, reason: str) -> None:
         """Fail every request; aborted rooms' blocks come back with the encoders' acks."""
@@ -327,12 +342,21 @@ class LanguageWorker:
             saved = self._saved
             from_disk = saved is None and bool(self.checkpoint_dir) and not discard_checkpoint \
                 and checkpoint_files.exists(self.checkpoint_dir, checkpoint.ROLE)
+            generations: list[GenRequest] = []
             if from_disk:
-                loaded = checkpoint.load(self.checkpoint_dir, self._geometry())  # CheckpointError: HTTP 422
+                loaded, generations = checkpoint.load(self.checkpoint_dir, self._geometry())  # CheckpointError: 422
                 saved = [_Request(s.rid, s.bootstrap_addr, s.room, Q.SAVED, saved=s, restored_from_disk=True)
                          for s in loaded]
+                if generations:
+                    assert self.generations is not None  # the checkpoint's model geometry matched this worker's
+                    try:
+                        self.generations.restore(generations)
+                    except ValueError as exc:  # e.g. a smaller KV budget than the writer's
+                        raise checkpoint_files.CheckpointError(f"checkpoint in {self.checkpoint_dir}: {exc}") from None
+                self._saved = saved  # in memory now: a wake-up that fails below is tried again from here
+            engine_ms = 0.0
             if self.generations is not None:  # before the pool: a model that cannot be loaded leaves all asleep
-                self.generations.resume()
+                engine_ms = self.generations.resume()
             self.pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
                                    self.config.dtype, prefault=False)
             self.allocator = BlockAllocator(self.config.num_blocks)
@@ -347,6 +371,7 @@ class LanguageWorker:
         self.metrics.woke(time.monotonic() - start, restored)
         log.info("language worker awake: %d requests restored%s", restored, " from disk" if from_disk else "")
         return {"changed": True, "is_sleeping": False, "restored_requests": restored,
+                "restored_generations": len(generations), "engine_ms": engine_ms,
                 "seconds": round(time.monotonic() - start, 4)}
 
     def _restore(self, saved: list[_Request]) -> None:
@@ -376,7 +401,8 @@ class LanguageWorker:
 
     def _geometry(self) -> dict:
         return {"block_size": self.config.block_size, "hidden_size": self.config.hidden_size,
-                "dtype": self.config.dtype}
+                "dtype": self.config.dtype,
+                "model": self.generations.model_geometry() if self.generations is not None else None}
 
     # ---- shutdown --------------------------------------------------------------------------------
 

@@ -12,8 +12,21 @@ state, not encoding):
   (kept MiB); a sleep that caught too little to compare is left out of the ratio.
 
 Every request then finishes and its digest is checked. The baseline copies the same number
-of bytes once with numpy into fresh memory, right after each measurement. Prints a table
-and, last, ``ratio_sleep_wake_vs_memcpy_32=<x>`` (the slower side, median).
+of bytes once with numpy into fresh memory, right after each measurement.
+
+Generations (``--parts generations``; the seeded checkpoint, text prompts of about 500
+tokens): N streaming generations decode on a language worker with ``--sleep-kv keep`` and on
+one with ``recompute`` (each with a checkpoint folder in memory-backed ``/dev/shm`` where
+there is one); ``/sleep?level=1`` then ``/wake_up`` while they run. Reported per mode: the KV
+bytes kept in memory, the checkpoint's bytes and write time, the whole sleep (without the
+checkpoint write; it includes waiting for the step under way) and wake-up as a client sees
+them, the engine's own part of both (KV out and back, weights), each against a memcpy of the
+KV bytes into memory already faulted in (the strict baseline: bandwidth alone), and each stream's wait from sending the wake-up to its next token against its
+inter-token latency before the sleep.
+
+Prints the tables; the generations' ends with ``keep_engine_sleep_wake_vs_memcpy_8=<x>``,
+the transfers' (last, when both run) with ``ratio_sleep_wake_vs_memcpy_32=<x>`` (the slower
+side, median).
 """
 
 from __future__ import annotations
@@ -55,13 +68,39 @@ def memcpy_seconds(nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
+def memcpy_warm_seconds(nbytes: int) -> float:
+    """The fastest of three copies into memory already faulted in: the bandwidth alone (the
+    KV's way to the host and back faults no new page in on a CPU, so page faults would flatter
+    the engine)."""
+    src = np.ones(max(nbytes, 1), np.uint8)
+    dst = np.zeros_like(src)
+    dst.fill(1)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--counts", default="1,8,32")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", help="write the raw numbers here")
+    ap.add_argument("--parts", default="transfers,generations", help="transfers, generations or both")
     args = ap.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
+    parts = set(args.parts.split(","))
+    if "generations" in parts:
+        generations = bench_generations(counts, args.reps)
+        if args.json:
+            Path(args.json).with_suffix(".generations.json").write_text(json.dumps(generations, indent=1))
+    if "transfers" in parts:
+        bench_transfers(counts, args.reps, args.json)
+
+
+def bench_transfers(counts: list[int], reps: int, json_path: str | None) -> None:
     most = max(counts)
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-sleep-")
@@ -94,8 +133,8 @@ def main() -> None:
 
     try:
         with ThreadPoolExecutor(2 * most + 2) as pool:
-            for rep, n in itertools.product(range(args.reps), counts):
-                print(f"repetition {rep + 1}/{args.reps}, {n} requests", file=sys.stderr, flush=True)
+            for rep, n in itertools.product(range(reps), counts):
+                print(f"repetition {rep + 1}/{reps}, {n} requests", file=sys.stderr, flush=True)
                 # encode side: rooms hold their source data, the language side has not asked yet
                 batch = [next(rooms) for _ in range(n)]
                 encoded = list(pool.map(enc, batch))
@@ -120,7 +159,7 @@ def main() -> None:
         encode.stop()
         tmp.cleanup()
 
-    print(f"\nsleep+wake with preserve_state vs one memcpy of the kept bytes, {args.reps} repetitions, medians")
+    print(f"\nsleep+wake with preserve_state vs one memcpy of the kept bytes, {reps} repetitions, medians")
     print(f"{'side':<9} {'requests':>8} {'kept MiB':>9} {'sleep ms':>9} {'wake ms':>9} {'memcpy ms':>10} {'ratio':>7}")
     summary = {}
     for side, n in itertools.product(("encode", "language"), counts):
@@ -131,12 +170,105 @@ def main() -> None:
         summary[f"{side}_{n}"] = {**med, "ratio": statistics.median(ratios)}
         print(f"{side:<9} {n:>8} {med['kept_bytes'] / 2**20:>9.0f} {med['sleep_s'] * 1e3:>9.0f} "
               f"{med['wake_s'] * 1e3:>9.0f} {med['memcpy_s'] * 1e3:>10.1f} {statistics.median(ratios):>7.1f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    if json_path:
+        Path(json_path).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
     if most in counts:
         worst = max((summary[f"{side}_{most}"]["ratio"] for side in ("encode", "language")),
                     key=lambda x: -1 if x != x else x)  # NaN (nothing comparable) never wins
         print(f"ratio_sleep_wake_vs_memcpy_{most}={worst:.2f}")
+
+
+def bench_generations(counts: list[int], reps: int) -> list[dict]:
+    from make_checkpoint import write_checkpoint
+
+    tmp = tempfile.TemporaryDirectory(prefix="bench-sleep-gen-")
+    shm = Path("/dev/shm")
+    disk = tempfile.TemporaryDirectory(prefix="bench-sleep-ckpt-", dir=shm if shm.is_dir() else None)
+    print("writing the seeded checkpoint ...", file=sys.stderr, flush=True)
+    folder = str(write_checkpoint(Path(tmp.name) / "model", 3584))
+    rows: list[dict] = []
+    rids = itertools.count()
+    for mode in ("keep", "recompute"):
+        print(f"starting a language worker with --sleep-kv {mode} ...", file=sys.stderr, flush=True)
+        worker = WorkerProcess("language", "--model-path", folder, "--sleep-kv", mode, "--max-total-tokens",
+                               str(max(counts) * 2100), "--checkpoint-dir", str(Path(disk.name) / mode))
+        try:
+            for rep, n in itertools.product(range(reps), counts):
+                print(f"{mode}: repetition {rep + 1}/{reps}, {n} generations", file=sys.stderr, flush=True)
+                rows.append({"mode": mode, "n": n, **sleep_while_generating(worker, n, rids)})
+        finally:
+            worker.stop()
+    disk.cleanup()
+    tmp.cleanup()
+    print(f"\nsleep+wake with N running generations (seeded model, 2 KiB of KV per token), {reps} repetitions, "
+          f"medians")
+    print(f"{'mode':<10} {'N':>3} {'KV MiB':>7} {'ckpt MiB':>9} {'ckpt ms':>8} {'sleep ms':>9} {'step wait':>9} "
+          f"{'wake ms':>8} {'engine ms':>9} {'memcpy ms':>10} {'ratio':>6} {'engine ratio':>12} "
+          f"{'wake→next ms':>12} {'ITL ms':>7} {'next/ITL':>9}")
+    for mode, n in itertools.product(("keep", "recompute"), counts):
+        sel = [r for r in rows if r["mode"] == mode and r["n"] == n]
+        med = {k: statistics.median(r[k] for r in sel) for k in sel[0] if k not in ("mode", "n")}
+        ratio = (med["sleep_s"] + med["wake_s"]) / med["memcpy_s"] if med["kv_bytes"] else float("nan")
+        engine_ratio = med["engine_s"] / med["memcpy_s"] if med["kv_bytes"] else float("nan")
+        print(f"{mode:<10} {n:>3} {med['kv_bytes'] / 2**20:>7.1f} {med['checkpoint_bytes'] / 2**20:>9.1f} "
+              f"{med['checkpoint_s'] * 1e3:>8.0f} {med['sleep_s'] * 1e3:>9.1f} {med['step_wait_s'] * 1e3:>9.1f} "
+              f"{med['wake_s'] * 1e3:>8.1f} {med['engine_s'] * 1e3:>9.2f} {med['memcpy_s'] * 1e3:>10.2f} "
+              f"{ratio:>6.1f} {engine_ratio:>12.2f} {med['next_token_s'] * 1e3:>12.1f} "
+              f"{med['itl_s'] * 1e3:>7.1f} {med['next_token_s'] / med['itl_s']:>9.2f}")
+    n = 8 if 8 in counts else max(counts)
+    keep = [r for r in rows if r["mode"] == "keep" and r["n"] == n]
+    ratio = statistics.median(r["engine_s"] for r in keep) / statistics.median(r["memcpy_s"] for r in keep)
+    print(f"keep_engine_sleep_wake_vs_memcpy_{n}={ratio:.2f}")
+    return rows
+
+
+def sleep_while_generating(worker: WorkerProcess, n: int, rids) -> dict:
+    """N streams decoding; a sleep and a wake-up; every stream aborted afterwards. Times in
+    seconds; the sleep's time leaves out the checkpoint write (reported apart); the next
+    token's from sending the wake-up (so it includes the wake-up)."""
+    arrivals: dict[str, list[float]] = {}
+    names = [f"g{next(rids)}" for _ in range(n)]
+
+    def stream(rid: str) -> None:
+        body = {"rid": rid, "text": f"{rid} " + "word " * 100, "stream": True,
+                "sampling_params": {"max_new_tokens": 1500, "temperature": 0.7, "seed": 1}}
+        with requests.post(f"{worker.url}/generate", json=body, stream=True, timeout=600) as answer:
+            answer.raise_for_status()
+            for line in answer.iter_lines():
+                if line.startswith(b"data: {"):
+                    arrivals[rid].append(time.perf_counter())
+
+    with ThreadPoolExecutor(n) as pool:
+        for rid in names:
+            arrivals[rid] = []
+        streams = [pool.submit(stream, rid) for rid in names]
+        deadline = time.monotonic() + 600
+        while min(len(a) for a in arrivals.values()) < 8:
+            if time.monotonic() > deadline or any(s.done() for s in streams):
+                raise SystemExit("the generations did not start: " + "; ".join(str(s.exception()) for s in streams
+                                                                                 if s.done()))
+            time.sleep(0.01)
+        before = {rid: list(a) for rid, a in arrivals.items()}
+        t_sleep, slept = timed_post(f"{worker.url}/sleep", level=1, preserve_state="true")
+        time.sleep(0.05)  # the last tokens sent before the sleep have arrived; nothing comes while asleep
+        asleep = {rid: len(a) for rid, a in arrivals.items()}
+        wake_sent = time.perf_counter()
+        t_wake, woke = timed_post(f"{worker.url}/wake_up")
+        while any(len(a) <= asleep[rid] for rid, a in arrivals.items()):
+            time.sleep(0.001)
+        for rid in names:
+            requests.post(f"{worker.url}/abort_request", json={"rid": rid}, timeout=60)
+        for s in streams:
+            s.result()
+    if slept["kept_generations"] != n:
+        raise SystemExit(f"the sleep kept {slept['kept_generations']} generations, expected {n}")
+    itl = statistics.median(b - a for times in before.values() for a, b in itertools.pairwise(times[2:]))
+    next_token = statistics.median(a[asleep[rid]] - wake_sent for rid, a in arrivals.items())
+    checkpoint_s = slept.get("checkpoint_ms", 0.0) / 1e3
+    return {"kv_bytes": slept["kv_bytes"], "checkpoint_bytes": slept.get("checkpoint_bytes", 0),
+            "checkpoint_s": checkpoint_s, "sleep_s": t_sleep - checkpoint_s, "wake_s": t_wake,
+            "step_wait_s": slept["step_wait_ms"] / 1e3, "engine_s": (slept["engine_ms"] + woke["engine_ms"]) / 1e3,
+            "memcpy_s": memcpy_warm_seconds(slept["kv_bytes"]), "next_token_s": next_token, "itl_s": itl}
 
 
 if __name__ == "__main__":

@@ -71,3 +71,15 @@ def test_the_main_job_generates_and_matches_the_monolithic_model(tmp_path: Path)
     results = json.loads((tmp_path / "m.json").read_text())
     assert [r["image_tokens"] for r in results.values()] == [256, 782]
     assert all(len(r["output_ids"]) == 16 and r["digest_match"] for r in results.values())
+
+
+def test_bench_sleep_generations_prints_keep_and_recompute_rows_and_the_engine_ratio(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_sleep.py"), "--parts", "generations", "--counts", "1",
+                          "--reps", "1", "--json", str(tmp_path / "s.json")], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert re.fullmatch(r"keep_engine_sleep_wake_vs_memcpy_1=\d+\.\d+", out.stdout.strip().splitlines()[-1])
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "s.generations.json").read_text())}
+    assert rows["keep"]["kv_bytes"] > 0 and rows["recompute"]["kv_bytes"] == 0  # recompute keeps no KV
+    assert rows["keep"]["checkpoint_bytes"] > rows["recompute"]["checkpoint_bytes"] > 0
+    assert all(r["next_token_s"] > 0 and r["itl_s"] > 0 for r in rows.values())
