@@ -6,6 +6,7 @@ plus each image's ``(t, h, w)`` patch grid; tokens per image = ``t * h * w / 4``
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -37,11 +38,18 @@ class VisionEncoder(Protocol):
 
     def encode(self, images: list[Image.Image]) -> EncodedImages: ...
 
+    def fingerprint(self) -> str: ...
+
     def offload(self, level: int) -> None:
         """Sleep: level 1 keeps the weights in host memory, level 2 drops them."""
 
     def reload(self) -> None:
         """Wake: weights back where they compute (reloaded from their source after level 2)."""
+
+
+def settings_fingerprint(settings: dict) -> str:
+    """A short stable hash of the settings an embedding depends on (a cache key's second half)."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def smart_resize(height: int, width: int, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
@@ -96,8 +104,12 @@ class FakeEncoder:
     name = "fake"
 
     def __init__(self, hidden_size: int = 3584, seed: int = 0) -> None:
-        self.hidden_size = hidden_size
+        self.hidden_size, self.seed = hidden_size, seed
         self._proj = np.random.default_rng(seed).standard_normal((6, hidden_size)).astype(np.float32)
+
+    def fingerprint(self) -> str:
+        return settings_fingerprint({"encoder": self.name, "hidden": self.hidden_size, "seed": self.seed,
+                                     "grid": [PATCH, MERGE, TEMPORAL, MIN_PIXELS, MAX_PIXELS]})
 
     def offload(self, level: int) -> None:
         pass  # no weights beyond the fixed projection
@@ -148,6 +160,12 @@ class QwenVisionEncoder:
         self.model = self._build()
         self.hidden_size = int(self.model.config.out_hidden_size)
 
+    def fingerprint(self) -> str:
+        """What an embedding depends on besides the image's bytes: preprocessing settings and the
+        tower (its config and weight files by name, size and modification time, or the built-in
+        seed), as of the last time the weights were read."""
+        return self._fingerprint
+
     def _build(self):
         torch = self._torch
         if self.model_path:
@@ -171,7 +189,17 @@ class QwenVisionEncoder:
         model = model.to(device=self.device, dtype=torch.bfloat16)
         for module, name, buffer in float32_buffers:
             module._buffers[name] = buffer.to(self.device)
+        self._fingerprint = self._weights_fingerprint()
         return model.eval()
+
+    def _weights_fingerprint(self) -> str:
+        model: object = f"builtin-seed-{self.seed}"
+        if self.model_path:
+            folder = Path(self.model_path)
+            model = [(folder / "config.json").read_text(), sorted(
+                (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.glob("*.safetensors"))]
+        return settings_fingerprint({"encoder": self.name, "model": model, "processor": [
+            MIN_PIXELS, MAX_PIXELS, PATCH, MERGE, TEMPORAL]})
 
     def offload(self, level: int) -> None:
         if level == 1:

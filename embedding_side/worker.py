@@ -241,7 +241,7 @@ class EncodeWorker:
         log.info("rid=%s room=%d: %d images -> %d tokens", rid, sender.room, len(refs), embedding.num_tokens)
         return {"rid": rid, "num_tokens": embedding.num_tokens, "hidden_size": embedding.hidden_size,
                 "dtype": embedding.dtype, "sha256": embedding.sha256(), "grid_thw": grids,
-                "encode_ms": round((encoded_at - started) * 1e3, 3)}, encoded_at
+                "encode_ms": round((encoded_at - started) * 1e3, 3), "preprocessing": self.encoder.fingerprint()}, encoded_at
 
     def _release_decoding(self, room: int) -> None:
         with self._lock:
@@ -290,7 +290,8 @@ class EncodeWorker:
     def health(self) -> dict:
         free, total = pool_blocks(self.allocator)
         return {"status": "sleeping" if self.gate.is_sleeping() else "ok", "role": "encode",
-                "state": self.gate.state.value, "bootstrap_port": self.bootstrap.port, "free_blocks": free,
+                "state": self.gate.state.value, "bootstrap_port": self.bootstrap.port,
+                "preprocessing": self.encoder.fingerprint(), "free_blocks": free,
                 "num_blocks": total, "active_rooms": self.sender.active_rooms(), **self._queues()}
 
     def is_sleeping(self) -> bool:

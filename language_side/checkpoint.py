@@ -28,6 +28,7 @@ from language_side.prompt import Prompt
 
 ROLE = "language"
 _SAME_WIDTH_INT = {2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}  # by element size
+MAX_POSITION = 1 << 31  # M-RoPE positions beyond any context length
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -114,6 +115,13 @@ def _array(tensors: dict[str, np.ndarray], name: str, dtype, shape: tuple[int | 
 
 
 def _generation(i: int, entry: dict, tensors: dict[str, np.ndarray], geometry: dict) -> GenRequest:
+    try:
+        return _checked_generation(i, entry, tensors, geometry)
+    except (OverflowError, RuntimeError) as exc:  # an infinite number in the JSON, a generator state torch refuses
+        raise ValueError(f"generation {i}: {exc}") from None
+
+
+def _checked_generation(i: int, entry: dict, tensors: dict[str, np.ndarray], geometry: dict) -> GenRequest:
     model = geometry.get("model")
     if model is None:
         raise ValueError("the checkpoint holds generations and this worker has no language model")
@@ -126,13 +134,19 @@ def _generation(i: int, entry: dict, tensors: dict[str, np.ndarray], geometry: d
     params.check()
     input_ids = _array(tensors, f"{prefix}.input_ids", np.int64, (None,))
     n = len(input_ids)
-    prompt = Prompt(input_ids, _array(tensors, f"{prefix}.positions", np.int64, (3, n)),
-                    _array(tensors, f"{prefix}.image_mask", np.bool_, (n,)), int(entry["delta"]))
+    positions = _array(tensors, f"{prefix}.positions", np.int64, (3, n))
+    prompt = Prompt(input_ids, positions, _array(tensors, f"{prefix}.image_mask", np.bool_, (n,)), int(entry["delta"]))
+    if n and (positions.min() < 0 or positions.max() >= MAX_POSITION or prompt.delta != positions.max() + 1 - n):
+        raise ValueError(f"generation {entry['rid']!r}: its positions (up to {positions.max()}) and delta "
+                         f"{prompt.delta} do not agree")
+    prefill_seconds = float(entry["prefill_seconds"])
+    if not 0.0 <= prefill_seconds < 1e9:
+        raise ValueError(f"generation {entry['rid']!r}: prefill_seconds {prefill_seconds}")
     output_ids = [int(t) for t in entry["output_ids"]]
     if n == 0 or not (0 <= input_ids.min() and input_ids.max() < vocab) or any(not 0 <= t < vocab for t in output_ids):
         raise ValueError(f"generation {entry['rid']!r} has token ids outside the vocabulary of {vocab}")
     if phase not in (Phase.WAITING, Phase.RUNNING) or (phase == Phase.WAITING) != (not output_ids) \
-            or len(output_ids) > params.max_new_tokens:
+            or len(output_ids) >= params.max_new_tokens:  # a running one has at least one token to go
         raise ValueError(f"generation {entry['rid']!r} is {phase.value} with {len(output_ids)} tokens generated")
     image_rows = None
     if f"{prefix}.image_rows" in tensors:
@@ -143,7 +157,7 @@ def _generation(i: int, entry: dict, tensors: dict[str, np.ndarray], geometry: d
     state = _array(tensors, f"{prefix}.generator", np.uint8, tuple(generator.get_state().shape))
     generator.set_state(torch.from_numpy(state.copy()))
     gen = GenRequest(str(entry["rid"]), prompt, image_rows, params, phase=phase, output_ids=output_ids,
-                     prefill_seconds=float(entry["prefill_seconds"]), generator=generator)
+                     prefill_seconds=prefill_seconds, generator=generator)
     if entry["kv"]:
         dtype = _DTYPES[model["dtype"]]
         stored = _SAME_WIDTH_INT[torch.empty((), dtype=dtype).element_size()][1]

@@ -21,6 +21,7 @@ import collections
 import enum
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,13 +152,16 @@ class Engine:
         self._end(req, Phase.ABORTED, "abort")
         return True
 
-    def step(self) -> list[StepOutput]:
-        """Prefill what fits, then one decode step for the rest; every token generated."""
+    def step(self, pause: Callable[[], bool] = lambda: False) -> list[StepOutput]:
+        """Prefill what fits, then one decode step for the rest; every token generated. When
+        ``pause()`` turns true the step ends before the next request's forward pass: each
+        request's tokens depend on its own passes only, so the ones left out simply take theirs
+        in the next step (a sleep waits for one forward pass, not for a whole step)."""
         if self.suspended:
             raise RuntimeError("the engine is suspended")
         outputs = []
         prefilled: set[str] = set()
-        while self.waiting and self.kv_used + self.waiting[0].kv_tokens <= self.kv_budget:
+        while self.waiting and self.kv_used + self.waiting[0].kv_tokens <= self.kv_budget and not pause():
             req = self.waiting.popleft()
             self.kv_used += req.kv_tokens
             req.move(Phase.RUNNING)
@@ -177,6 +181,8 @@ class Engine:
         for req in list(self.running.values()):
             if req.rid in prefilled:
                 continue
+            if pause():
+                break
             assert req.seq is not None
             self.model.decode(req.seq, req.output_ids[-1])
             outputs.append(self._emit(req))

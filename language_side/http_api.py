@@ -1,9 +1,10 @@
 """Language worker HTTP API: ``POST /generate``, ``POST /abort_request``, ``GET /health``,
-``GET /metrics``, sleep and wake.
+``GET /metrics``, sleep and wake, and the OpenAI-compatible routes (``openai_api.py``).
 
 With a language model, ``/generate`` takes SGLang's native body (``text`` or ``messages``,
-``sampling_params``, ``stream``, and the encoder's ``bootstrap_*`` when the prompt has images):
-the embedding is received, the prompt built around it, and the engine generates. Without one
+``sampling_params``, ``stream``, and either the encoder's ``bootstrap_*`` when the prompt has
+images, or ``image_data`` that this worker sends to its ``--encoder-urls`` itself): the
+embedding is received, the prompt built around it, and the engine generates. Without one
 (``--language-model none``) it receives the embedding and answers its digest.
 """
 
@@ -27,12 +28,16 @@ from connector.http_util import (
     read_json,
     wait_for_future,
 )
+from language_side.dispatch import EncoderDispatch, ImageRefused
+from language_side.engine import SamplingParams
+from language_side.openai_api import add_openai_routes, openai_errors
 from language_side.prompt import PromptError, build_prompt, grids_from_positions, render_chat
 from language_side.schemas import BodyError, GenerateIn, parse
 from language_side.serving import Event, Generation, GenerationService, TextStream
 from language_side.worker import LanguageWorker
 
 IMAGE_PAD = "<|image_pad|>"
+MAX_BODY_BYTES = 96 << 20  # data: URIs of large images (each image's own bound is in the schemas)
 
 
 @dataclass
@@ -40,9 +45,13 @@ class _Client:
     """A ``/generate`` in progress, so ``/abort_request`` can reach it between its phases."""
 
     aborted: bool = False
+    encoding: asyncio.Task | None = None  # its images at its encoders (--encoder-urls)
 
 
-def build_app(worker: LanguageWorker, service: GenerationService | None = None) -> web.Application:
+def build_app(worker: LanguageWorker, service: GenerationService | None = None, dispatch: EncoderDispatch | None = None,
+              model_name: str = "") -> web.Application:
+    """``dispatch``: the encoders of ``--encoder-urls`` (images named in a request); with a
+    ``service``, the OpenAI-compatible routes serve ``model_name`` too."""
     clients: dict[str, _Client] = {}
 
     async def transfer_only(request: web.Request) -> web.Response:
@@ -60,7 +69,7 @@ def build_app(worker: LanguageWorker, service: GenerationService | None = None) 
         assert service is not None
         arrived = time.monotonic()
         try:
-            body: GenerateIn = parse(GenerateIn, await request.read())
+            body: GenerateIn = await asyncio.to_thread(parse, GenerateIn, await request.read())  # up to 96 MiB
             params = body.sampling_params.params()
         except BodyError as exc:
             raise HTTPError(400, str(exc)) from None
@@ -79,9 +88,11 @@ def build_app(worker: LanguageWorker, service: GenerationService | None = None) 
         if body.rid is not None and (restored := service.claim(rid)) is not None:
             # restored from a disk checkpoint after a restart: its whole output, then the rest
             return await _answer(request, restored, body.stream, {}, arrived)
-        tokenizer = service.tokenizer
         text = body.text if body.text is not None else await asyncio.to_thread(
-            render_chat, tokenizer, [m.for_template() for m in body.messages or []])
+            render_chat, service.tokenizer, [m.for_template() for m in body.messages or []])
+        if body.image_data is not None:  # this worker asks its encoders
+            gen, transfer = await _start(rid, client, text, body.images, params)
+            return await _answer(request, gen, body.stream, transfer, arrived)
         images = text.count(IMAGE_PAD)
         addr = f"{check_host(body.bootstrap_host)}:{body.bootstrap_port}" if body.has_peer else ""
         if images and not body.has_peer:
@@ -107,13 +118,46 @@ def build_app(worker: LanguageWorker, service: GenerationService | None = None) 
                 grids = grids_from_positions(positions)
             except PromptError as exc:
                 raise HTTPError(400, f"the embedding from {addr} cannot be placed: {exc}") from None
+        gen = await _submit(rid, client, text, rows, grids, params)
+        return await _answer(request, gen, body.stream, transfer, arrived)
+
+    async def _start(rid: str, client: _Client, text: str, images: list[str],
+                     params: SamplingParams) -> tuple[Generation, dict]:
+        """A prompt whose images (sources, in placeholder order) this worker sends to its
+        encoders: received, then generating; the generation and the transfer's fields."""
+        assert service is not None
+        if (placeholders := text.count(IMAGE_PAD)) != len(images):
+            raise HTTPError(400, f"the prompt has {placeholders} image placeholders and {len(images)} images")
+        if not images:
+            return await _submit(rid, client, text, None, [], params), {}
+        if dispatch is None:
+            raise HTTPError(400, "this language worker has no --encoder-urls: send the images to an encode worker "
+                                 "and name its bootstrap_room in /generate (the two-request flow)")
+        service.check_room_for(rid)  # before the images are encoded for nothing
+        await worker.gate.wait_awake()  # 503 while asleep, or wait with --queue-while-sleeping
+        client.encoding = asyncio.ensure_future(dispatch.embed(rid, images))
+        try:
+            embedded = await client.encoding
+        except ImageRefused as exc:
+            raise HTTPError(exc.status, str(exc)) from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this handler is cancelled: the client went away
+                raise
+            raise TransferFailure(FailureKind.CANCELLED, f"request {rid}: aborted by /abort_request") from None
+        finally:
+            client.encoding = None
+        return await _submit(rid, client, text, embedded.rows, embedded.grids, params), embedded.meta
+
+    async def _submit(rid: str, client: _Client, text: str, rows, grids: list, params: SamplingParams) -> Generation:
+        """The prompt around the received embedding (``rows`` None: text only), to the engine."""
+        assert service is not None
         if client.aborted:
             raise TransferFailure(FailureKind.CANCELLED, f"request {rid}: aborted by /abort_request")
         try:
-            prompt = await asyncio.to_thread(build_prompt, tokenizer, text, grids, service.model.max_length)
+            prompt = await asyncio.to_thread(build_prompt, service.tokenizer, text, grids, service.model.max_length)
         except ValueError as exc:  # PromptError: counts, context length
             raise HTTPError(400, str(exc)) from None
-        if body.has_peer:  # admitted before a sleep, which kept its transfer: it goes on after the wake-up
+        if rows is not None:  # admitted before a sleep, which kept its transfer: it goes on after the wake-up
             deadline = time.monotonic() + worker.gate.max_wait
             while worker.gate.is_sleeping():
                 if client.aborted or time.monotonic() > deadline:
@@ -130,7 +174,7 @@ def build_app(worker: LanguageWorker, service: GenerationService | None = None) 
         del rows  # the engine holds the embedding now
         if client.aborted:  # /abort_request came while the prompt was built
             service.abort(rid, "aborted by /abort_request")
-        return await _answer(request, gen, body.stream, transfer, arrived)
+        return gen
 
     async def _answer(request: web.Request, gen: Generation, stream: bool, transfer: dict,
                       arrived: float) -> web.StreamResponse:
@@ -192,6 +236,8 @@ def build_app(worker: LanguageWorker, service: GenerationService | None = None) 
         client = clients.get(rid)
         if client is not None:
             client.aborted = True
+            if client.encoding is not None:
+                client.encoding.cancel()  # each part's room is aborted, so its encoder is told
         aborted = worker.cancel(rid, "aborted by /abort_request")
         if service is not None:
             aborted = service.abort(rid, "aborted by /abort_request") or aborted
@@ -203,9 +249,15 @@ def build_app(worker: LanguageWorker, service: GenerationService | None = None) 
 
     async def metrics(_request: web.Request) -> web.Response:
         extra = service.render_metrics() if service is not None else b""
+        extra += dispatch.render_metrics() if dispatch is not None else b""
         return web.Response(body=worker.metrics.render() + extra, content_type="text/plain")
 
-    app = web.Application(middlewares=[errors_as_json])
+    app = web.Application(middlewares=[errors_as_json, openai_errors], client_max_size=MAX_BODY_BYTES)
+    if dispatch is not None:
+        app.on_cleanup.append(lambda _app: dispatch.close())
+    if service is not None:
+        add_openai_routes(app, service, lambda rid, text, images, params: _start(rid, _Client(), text, images, params),
+                          model_name)
     app.router.add_post("/generate", generate if service is not None else transfer_only)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_get("/health", health)

@@ -3,7 +3,7 @@ unknown fields refused, every size bounded). A :class:`BodyError` carries the 40
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -11,22 +11,24 @@ from language_side.engine import SamplingParams
 
 MAX_TEXT_CHARS = 1 << 20
 MAX_MESSAGES = 512
+MAX_IMAGES = 64  # per request
+MAX_IMAGE_SOURCE_CHARS = 64 << 20  # a data: URI holds the whole image
 
 
 class BodyError(ValueError):
     """A body that does not validate: the message names the fields."""
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: str = Field(max_length=MAX_TEXT_CHARS)
 
 
-class ImagePart(_Strict):
+class ImagePart(Strict):
     """Where an image goes. In the two-request flow the image itself went to the encoder; a URL
     here is ignored."""
 
@@ -34,7 +36,7 @@ class ImagePart(_Strict):
     image_url: dict[str, str] | str | None = Field(None)
 
 
-class Message(_Strict):
+class Message(Strict):
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart | ImagePart] = Field(max_length=MAX_TEXT_CHARS)
 
@@ -47,7 +49,7 @@ class Message(_Strict):
         return {"role": self.role, "content": parts}
 
 
-class SamplingIn(_Strict):
+class SamplingIn(Strict):
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -67,13 +69,15 @@ class SamplingIn(_Strict):
         return params
 
 
-class GenerateIn(_Strict):
+class GenerateIn(Strict):
     rid: str | None = Field(None, min_length=1, max_length=256)
     bootstrap_host: str | None = Field(None, max_length=253)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, lt=2**63)
     text: str | None = Field(None, max_length=MAX_TEXT_CHARS)
     messages: list[Message] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    # SGLang's field: images this worker sends to its --encoder-urls itself (paths, URLs, data: URIs)
+    image_data: str | Annotated[list[str], Field(min_length=1, max_length=MAX_IMAGES)] | None = None
     sampling_params: SamplingIn = Field(default_factory=SamplingIn)
     stream: bool = False
 
@@ -84,14 +88,24 @@ class GenerateIn(_Strict):
         peer = (self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
         if any(v is not None for v in peer) and any(v is None for v in peer):
             raise ValueError("bootstrap_host, bootstrap_port and bootstrap_room go together")
+        if self.image_data is not None and self.has_peer:
+            raise ValueError("image_data (this worker asks its encoders) and bootstrap_room (an encoder was already "
+                             "asked) exclude each other")
+        if any(not 0 < len(source) <= MAX_IMAGE_SOURCE_CHARS for source in self.images):
+            raise ValueError(f"image_data: each image is a non-empty string of at most {MAX_IMAGE_SOURCE_CHARS} "
+                             f"characters")
         return self
+
+    @property
+    def images(self) -> list[str]:
+        return [self.image_data] if isinstance(self.image_data, str) else list(self.image_data or [])
 
     @property
     def has_peer(self) -> bool:
         return self.bootstrap_room is not None
 
 
-def parse(model: type[_Strict], raw: bytes):
+def parse(model: type[Strict], raw: bytes):
     """``model`` from a JSON body, or BodyError naming the first few problems."""
     try:
         return model.model_validate_json(raw)

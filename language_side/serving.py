@@ -60,7 +60,10 @@ class Generation:
         """From the engine thread: to the handler's queue, or to the backlog until there is one."""
         with self._posting:
             loop = self.loop
-            if loop is None:
+            if loop is None:  # one event holds the tokens so far: the backlog does not grow per step
+                if self.backlog and self.backlog[-1].finish_reason is None:
+                    last = self.backlog.pop()
+                    event = Event(last.token_ids + event.token_ids, event.finish_reason, event.error)
                 self.backlog.append(event)
                 return
         loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -164,17 +167,22 @@ class GenerationService:
         again (its whole output comes first); None when there is none. Unclaimed ones are
         forgotten after ``UNCLAIMED_SECONDS``."""
         with self._cv:
-            now = time.monotonic()
-            for old in [g for g in self._unclaimed.values() if now - g.added_at > UNCLAIMED_SECONDS]:
-                del self._unclaimed[old.rid]
-                log.warning("rid=%s: restored from disk and never asked for again; forgotten", old.rid)
-                if old.rid in self._generations:  # still generating, for nobody
-                    self._inbox.append(("abort", (old.rid, "restored from disk and never asked for again")))
-                    self._cv.notify()
+            self._forget_unclaimed()
+            self._cv.notify()  # for the aborts it may have queued
             gen = self._unclaimed.pop(rid, None)
         if gen is not None:
             gen.attach(asyncio.get_running_loop())
         return gen
+
+    def _forget_unclaimed(self) -> None:
+        """Under ``_cv``: restored generations nobody asked for within ``UNCLAIMED_SECONDS`` go
+        (aborted if still running)."""
+        now = time.monotonic()
+        for old in [g for g in self._unclaimed.values() if now - g.added_at > UNCLAIMED_SECONDS]:
+            del self._unclaimed[old.rid]
+            log.warning("rid=%s: restored from disk and never asked for again; forgotten", old.rid)
+            if old.rid in self._generations:  # still generating, for nobody
+                self._inbox.append(("abort", (old.rid, "restored from disk and never asked for again")))
 
     def abort(self, rid: str, why: str = "") -> bool:
         """End ``rid`` at the next step boundary; False if it is not generating."""
@@ -197,11 +205,12 @@ class GenerationService:
             return len(self._generations)
 
     def suspend(self, level: int) -> dict:
-        """Sleep: stop at the next step boundary (a prefill under way finishes: it is one forward
-        pass), move every running request's KV to the host (or drop it, ``--sleep-kv recompute``)
-        and release the weights (level 1: to host memory, level 2: dropped). Requests keep their
-        tokens, sampler state and streams. Says how long it waited for the step under way and
-        how long the suspension itself took."""
+        """Sleep: stop after the forward pass under way (a prefill under way finishes: it is one
+        forward pass; requests not yet decoded in this step decode in the next), move every
+        running request's KV to the host (or drop it, ``--sleep-kv recompute``) and release the
+        weights (level 1: to host memory, level 2: dropped). Requests keep their tokens, sampler
+        state and streams. Says how long it waited for the pass under way and how long the
+        suspension itself took."""
         asked = time.perf_counter()
         with self._between_steps():
             held = time.perf_counter()
@@ -296,8 +305,12 @@ class GenerationService:
     def _run(self) -> None:
         while True:
             with self._cv:
+                if self._unclaimed:
+                    self._forget_unclaimed()
                 while not self._stop and (self._holding or not self._inbox and (self._suspended or self.engine.idle)):
-                    self._cv.wait()
+                    self._cv.wait(timeout=UNCLAIMED_SECONDS if self._unclaimed else None)
+                    if self._unclaimed:
+                        self._forget_unclaimed()
                 stopping, inbox = self._stop, list(self._inbox)
                 self._inbox.clear()
             if stopping:
@@ -337,7 +350,7 @@ class GenerationService:
                 self._end(gen, "abort", error=why)
 
     def _step(self) -> None:
-        self._deliver(self.engine.step())
+        self._deliver(self.engine.step(pause=lambda: self._holding > 0))  # a sleep waits for one forward pass
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """Each request's tokens of a step (or its end) to its handler, in one event."""

@@ -73,13 +73,15 @@ class WorkerProcess:
 
 
 @contextmanager
-def model_workers(folder: str, *language_args: str, both: tuple[str, ...] = (),
-                  timeout: float = 120.0) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
-    """An encode and a language worker on one checkpoint folder (``both``: flags for each);
+def model_workers(folder: str, *language_args: str, both: tuple[str, ...] = (), timeout: float = 120.0,
+                  one_request: bool = False) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
+    """An encode and a language worker on one checkpoint folder (``both``: flags for each;
+    ``one_request``: the language worker sends images to the encoder itself, ``--encoder-urls``);
     stopped on leaving, and a worker that does not exit cleanly is an error."""
     encode = WorkerProcess("encode", "--model-path", folder, *both, timeout=timeout)
     try:
-        lang = WorkerProcess("language", "--model-path", folder, *both, *language_args, timeout=timeout)
+        dispatch = ("--encoder-urls", encode.url) if one_request else ()
+        lang = WorkerProcess("language", "--model-path", folder, *both, *dispatch, *language_args, timeout=timeout)
     except BaseException:
         encode.stop()
         raise

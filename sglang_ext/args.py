@@ -24,8 +24,15 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
     """Add our flags; ``with_shared=False`` leaves out the ones SGLang already defines."""
     d = ConnectorConfig.from_env()
     if with_shared:
-        parser.add_argument("--disaggregation-mode", choices=MODES, required=True,
-                            help="encode: vision encoder + bootstrap server; language: receives embeddings")
+        parser.add_argument("--disaggregation-mode", choices=MODES, default=None,
+                            help="encode: vision encoder + bootstrap server; language: receives embeddings and "
+                                 "generates (or --encoder-only / --language-only, SGLang's names)")
+        parser.add_argument("--encoder-only", action="store_true", help="the same as --disaggregation-mode encode")
+        parser.add_argument("--language-only", action="store_true", help="the same as --disaggregation-mode language")
+        parser.add_argument("--encoder-urls", nargs="+", default=None, metavar="URL",
+                            help="language side: encode workers (http://host:port) this worker sends the images of a "
+                                 "request to itself (image_data in /generate, image_url parts in /v1/chat/completions), "
+                                 "split by load, a failed part sent again to another encoder")
         parser.add_argument("--host", default="127.0.0.1", help="interface every server binds (default %(default)s)")
         parser.add_argument("--port", type=int, default=30000, help="HTTP port (default %(default)s)")
         parser.add_argument("--model-path", default=None,
@@ -59,6 +66,11 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                    help="sleep with preserve_state=true: keep each running request's KV cache in host memory, or "
                         "drop it and recompute it at wake-up from the kept prompt embedding and the generated "
                         "tokens (same tokens either way) (default %(default)s)")
+    e.add_argument("--image-embedding-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
+                   help="with --encoder-urls: image embeddings kept for images sent again (data: URIs, keyed by a "
+                        "hash of the image bytes and the encoders' preprocessing), least recently used dropped "
+                        "first; a 4K image's embedding is 75 MB at hidden 3584; 0 turns it off (default "
+                        "%(default)s = 1 GiB)")
     g = parser.add_argument_group("embedding transfer")
     g.add_argument("--encoder", choices=["qwen", "fake"], default="qwen",
                    help="encode side: transformers Qwen2.5-VL tower, or the numpy fake for tests (default %(default)s)")
@@ -119,6 +131,17 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
     m.add_argument("--image-max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="per image (default %(default)s)")
     m.add_argument("--image-fetch-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="http(s) images (default %(default)s)")
+
+
+def resolve_mode(args: argparse.Namespace) -> str:
+    """The one mode ``--disaggregation-mode``, ``--encoder-only`` and ``--language-only`` ask for."""
+    wanted = {m for m, on in (("encode", args.encoder_only), ("language", args.language_only)) if on}
+    if args.disaggregation_mode in MODES:
+        wanted.add(args.disaggregation_mode)
+    if len(wanted) != 1:
+        raise SystemExit("error: give one of --disaggregation-mode encode|language, --encoder-only or --language-only"
+                         + (f" (got {sorted(wanted)})" if wanted else ""))
+    return wanted.pop()
 
 
 def connector_config(args: argparse.Namespace) -> ConnectorConfig:

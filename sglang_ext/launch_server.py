@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from sglang_ext.args import DEFAULT_KV_TOKENS, add_worker_args, connector_config
+from sglang_ext.args import DEFAULT_KV_TOKENS, add_worker_args, connector_config, resolve_mode
 
 
 def run(args: argparse.Namespace) -> None:
@@ -51,7 +51,20 @@ def run(args: argparse.Namespace) -> None:
             extra += (f" model={args.model_path} ({model.dtype}, {args.device or 'cpu'}) kv_budget="
                       f"{service.engine.kv_budget} tokens ({service.engine.kv_budget * model.kv_bytes_per_token / 2**20:.0f}"
                       f" MiB)")
-        app = build_app(worker, service)
+        dispatch = None
+        if args.encoder_urls:
+            from language_side.dispatch import EncoderDispatch
+            from language_side.embedding_cache import EmbeddingCache
+
+            if service is None:
+                raise SystemExit("--encoder-urls needs the language model (--model-path): a transfer-only worker "
+                                 "has no prompt to put images in")
+            try:
+                dispatch = EncoderDispatch(args.encoder_urls, worker, EmbeddingCache(args.image_embedding_cache_bytes))
+            except ValueError as exc:
+                raise SystemExit(f"error: {exc}") from None
+            extra += f" encoders={','.join(args.encoder_urls)}"
+        app = build_app(worker, service, dispatch, args.model_path or "")
 
     def banner(port: int) -> None:
         state = " (asleep: a checkpoint waits for /wake_up)" if worker.is_sleeping() else ""
@@ -88,7 +101,9 @@ def _generation_service(args: argparse.Namespace, config):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sglang_ext.launch_server", description=__doc__.splitlines()[0])
     add_worker_args(parser)
-    run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    args.disaggregation_mode = resolve_mode(args)
+    run(args)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Two hooks on public-facing SGLang functions, nothing else:
 
 * after ``ServerArgs.add_cli_args(parser)``: add ``encode`` and ``language`` to the
   ``--disaggregation-mode`` choices and our own flags (pool size, timeouts, ...);
-* around ``prepare_server_args(argv)``: when the parsed mode is one of ours, map the flags
+* around ``prepare_server_args(argv)``: when the parsed mode is one of ours (or upstream's
+  ``--encoder-only`` / ``--language-only``, taken as ``encode`` / ``language``), map the flags
   SGLang parsed onto a worker configuration and run our worker instead of SGLang's server;
   every other mode gets SGLang's own result untouched.
 
@@ -53,7 +54,8 @@ def register() -> None:
 
 def _unsupported(message: str) -> None:
     """One clear error instead of a traceback from inside SGLang; fatal only if our mode was asked for."""
-    wanted = any(a in OUR_MODES for a in sys.argv) or any(a.endswith(("=encode", "=language")) for a in sys.argv)
+    wanted = any(a in (*OUR_MODES, "--encoder-only", "--language-only") for a in sys.argv) or any(
+        a.endswith(("=encode", "=language")) for a in sys.argv)
     if wanted:
         raise SystemExit(f"error: --disaggregation-mode encode|language unavailable: {message}")
     log.error("epd-resume plugin inactive: %s", message)
@@ -73,12 +75,22 @@ def _after_add_cli_args(_result, parser: argparse.ArgumentParser, *args, **kwarg
 
 def _around_prepare_server_args(original, argv, *args, **kwargs):
     server_args = original(argv, *args, **kwargs)
-    if server_args.disaggregation_mode not in OUR_MODES:
+    if our_mode(server_args) is None:
         return server_args
     from sglang_ext.launch_server import run
 
     run(worker_args(server_args, argv))
     sys.exit(0)
+
+
+def our_mode(server_args) -> str | None:
+    """``encode`` or ``language`` when SGLang parsed one of our modes, or upstream's EPD flags
+    ``--encoder-only`` / ``--language-only`` (aliases here); None for everything else."""
+    if getattr(server_args, "encoder_only", False):
+        return "encode"
+    if getattr(server_args, "language_only", False):
+        return "language"
+    return server_args.disaggregation_mode if server_args.disaggregation_mode in OUR_MODES else None
 
 
 def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
@@ -92,9 +104,9 @@ def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
     backend = server_args.disaggregation_transfer_backend
     if backend not in BACKENDS:
         raise SystemExit(f"error: --disaggregation-transfer-backend {backend} is not supported in "
-                         f"--disaggregation-mode {server_args.disaggregation_mode}; use one of {sorted(BACKENDS)}")
+                         f"--disaggregation-mode {our_mode(server_args)}; use one of {sorted(BACKENDS)}")
     ours.mooncake_protocol = BACKENDS[backend] or ours.mooncake_protocol
-    ours.disaggregation_mode = server_args.disaggregation_mode
+    ours.disaggregation_mode = our_mode(server_args)
     ours.host, ours.port = server_args.host, server_args.port
     ours.model_path = server_args.model_path
     ours.device, ours.max_total_tokens = server_args.device, server_args.max_total_tokens
@@ -104,4 +116,5 @@ def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
     ours.log_level = server_args.log_level
     ours.max_queued_requests = server_args.max_queued_requests or ConnectorConfig.from_env().max_queued_requests
     ours.allowed_media_domains = server_args.allowed_media_domains or None
+    ours.encoder_urls = getattr(server_args, "encoder_urls", None) or None
     return ours

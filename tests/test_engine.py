@@ -5,6 +5,8 @@ back."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from make_checkpoint import write_checkpoint
@@ -218,3 +220,32 @@ def test_an_abort_while_suspended_gives_the_kv_back(parts) -> None:
     assert engine.abort("a") and engine.kv_used == engine.running["b"].kv_tokens
     engine.resume()
     assert len(run(engine)["b"]) == 49 and engine.kv_used == 0
+
+
+def test_a_step_paused_between_two_forward_passes_changes_no_request_tokens(parts) -> None:
+    """A sleep needs the engine between two forward passes, not at the end of a whole step: a
+    step cut after any request's pass leaves the others for the next step, and every request
+    still gives its uninterrupted tokens."""
+    def requests_():
+        return [request(parts, rid, None, f"Text {rid}.", max_new_tokens=10, temperature=0.8, seed=i)
+                for i, rid in enumerate("abc")]
+
+    def cut_after(passes: int):
+        asked = itertools.count()
+        return lambda: next(asked) >= passes
+
+    reference = run(new_engine(parts), {0: requests_()})
+    engine = new_engine(parts)
+    for req in requests_():
+        engine.add(req)
+    assert engine.step(pause=lambda: True) == [] and len(engine.waiting) == 3  # nothing ran
+    tokens: dict[str, list[int]] = {}
+    passes = 0
+    while not engine.idle:
+        budget = passes % 3 + 1  # cut after 1, 2 or 3 passes
+        outputs = engine.step(pause=cut_after(budget))
+        assert len(outputs) <= budget
+        for out in outputs:
+            tokens.setdefault(out.rid, []).append(out.token)
+        passes += 1
+    assert tokens == reference

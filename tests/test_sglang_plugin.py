@@ -89,6 +89,20 @@ def test_our_modes_dispatch_with_the_flags_sglang_parsed(mode: str) -> None:
         "max_total_tokens": 4096, "device": "cpu", "language_model": "none"}
 
 
+def test_upstream_epd_flags_are_aliases_of_our_modes(checkpoint) -> None:
+    """``--encoder-only`` / ``--language-only`` (SGLang's own EPD flags) start our workers, and
+    ``--encoder-urls`` as SGLang parsed it reaches the language worker."""
+    encode = parse("--model-path", checkpoint, "--encoder-only", "--port", "31240")
+    assert encode.returncode == 0, encode.stderr[-2000:]
+    assert line(encode.stdout, "WORKER")["disaggregation_mode"] == "encode" and "SGLANG " not in encode.stdout
+    language = parse("--model-path", checkpoint, "--language-only", "--encoder-urls", "http://10.0.0.1:30001",
+                     "http://10.0.0.2:30001")
+    assert language.returncode == 0, language.stderr[-2000:]
+    args = line(language.stdout, "WORKER")
+    assert args["disaggregation_mode"] == "language"
+    assert args["encoder_urls"] == ["http://10.0.0.1:30001", "http://10.0.0.2:30001"]
+
+
 def test_unsupported_backend_in_our_modes_is_a_clear_error() -> None:
     res = parse("--model-path", "/m", "--disaggregation-mode", "encode", "--disaggregation-transfer-backend", "nixl")
     assert res.returncode == 1

@@ -1,0 +1,291 @@
+"""One request's images, encoded by the encoders of ``--encoder-urls`` and received by this worker.
+
+A request's images are split into contiguous parts, one per encoder picked by load (the fewest
+outstanding image tokens first, an estimate until an encoder answers with the true count); each
+part has its own room and is received like any two-request transfer (rounds and resumes as
+needed); the parts are joined in image order, each part's digest checked against the one its
+encoder reported. A part whose encoder cannot be reached, is busy (408/429/503) or fails is sent
+again, with a new room, to another encoder, up to ``max_attempts`` in all; that encoder gets
+no new part until its ``/health`` answers again (probed at most once a second, at once when no
+other is left). An
+encoder's other 4xx is about the images: the client's error, with that status, not retried.
+This worker's own refusals (asleep, over its queue) pass through as they are.
+
+Embeddings of ``data:`` images are kept in an :class:`EmbeddingCache` under the fingerprint of
+the encoder that made them and read back under the one every encoder reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from connector.failures import FailureKind, TransferFailure
+from connector.http_util import wait_for_future
+from language_side.embedding_cache import EmbeddingCache, cache_key, image_digest, split_rows
+from language_side.prompt import PromptError, grids_from_positions
+from language_side.worker import LanguageWorker
+
+log = logging.getLogger(__name__)
+
+PROBE_INTERVAL = 1.0  # seconds between /health probes of an encoder taken out of rotation
+FIRST_ESTIMATE = 1024  # image tokens assumed for an image before any encoder has answered
+# failures of this worker's own side: another encoder would not help
+OUR_SIDE = frozenset({FailureKind.CANCELLED, FailureKind.ASLEEP, FailureKind.SHUTTING_DOWN, FailureKind.OVERLOADED,
+                      FailureKind.CONFLICT, FailureKind.BAD_REQUEST, FailureKind.TOO_LARGE})
+
+
+class ImageRefused(ValueError):
+    """An encoder refused the images as bad input (a 4xx but 408/429): the client's error, with
+    the encoder's status; not retried."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Encoder:
+    url: str
+    host: str
+    bootstrap_port: int | None = None  # from its /health
+    outstanding: int = 0  # estimated image tokens of its parts in flight
+    healthy: bool = True
+    next_probe: float = 0.0
+
+
+@dataclass
+class Embedded:
+    """A request's images, received: rows in image order, their grids, and how it went."""
+
+    rows: np.ndarray
+    grids: list[tuple[int, int, int]]
+    fingerprints: list[str | None] = field(default_factory=list)  # per image: the preprocessing that made it
+    meta: dict = field(default_factory=dict)
+
+
+class EncoderDispatch:
+    def __init__(self, urls: list[str], worker: LanguageWorker, cache: EmbeddingCache, max_attempts: int = 3,
+                 encode_timeout: float = 600.0) -> None:
+        if not urls:
+            raise ValueError("--encoder-urls needs at least one URL")
+        self.encoders = []
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+                raise ValueError(f"--encoder-urls: {url!r} is not http://host:port")
+            self.encoders.append(Encoder(url.rstrip("/"), parts.hostname))
+        self.worker, self.max_attempts = worker, max_attempts
+        self.timeout = aiohttp.ClientTimeout(total=encode_timeout, sock_connect=5)
+        self.tokens_per_image = FIRST_ESTIMATE
+        self.cache = cache
+        self.fingerprints: dict[str, str] = {}  # each probed encoder's preprocessing fingerprint, by URL
+        self._session: aiohttp.ClientSession | None = None
+        self.registry = r = CollectorRegistry()
+        self.parts = Counter("epd_encoder_parts", "Image parts sent to an encoder, by outcome", ["encoder", "outcome"],
+                             registry=r)
+        self.retries = Counter("epd_encoder_retries", "Parts sent again to another encoder", registry=r)
+        Gauge("epd_encoders_healthy", "Encoders taking new parts", registry=r).set_function(
+            lambda: sum(e.healthy for e in self.encoders))
+        outstanding = Gauge("epd_encoder_outstanding_tokens", "Estimated image tokens in flight per encoder",
+                            ["encoder"], registry=r)
+        for enc in self.encoders:
+            outstanding.labels(enc.url).set_function(lambda enc=enc: enc.outstanding)
+        self.cache_hits = Counter("epd_embedding_cache_hits", "Images whose embedding came from the cache",
+                                  registry=r)
+        for name, doc, read in (("epd_embedding_cache_bytes", "Bytes of embeddings in the cache", lambda: cache.used),
+                                ("epd_embedding_cache_entries", "Images in the cache", lambda: len(cache))):
+            Gauge(name, doc, registry=r).set_function(read)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def render_metrics(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def embed(self, rid: str, images: list[str]) -> Embedded:
+        """``images``' embeddings, from the cache or encoded and received; TransferFailure (its
+        kind says the status) or :class:`ImageRefused` when they cannot be had."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        digests = await asyncio.to_thread(lambda: [image_digest(s) for s in images]) if self.cache.budget else []
+        fingerprint = await self._fingerprint() if any(digests) else None
+        found = {}
+        if fingerprint is not None:
+            found = {i: hit for i, digest in enumerate(digests)
+                     if digest is not None and (hit := self.cache.get(cache_key(digest, fingerprint))) is not None}
+        missing = [i for i in range(len(images)) if i not in found]
+        self.cache_hits.inc(len(found))
+        meta = {"num_tokens": 0, "resume_rounds": 0, "encoder_retries": 0, "transfer_ms": 0.0, "encode_ms": 0.0,
+                "encoder_wait_ms": 0.0, "queue_ms": 0.0, "encoders": []}
+        if missing:
+            sent = await self._dispatch(rid, [images[i] for i in missing])
+            meta = sent.meta
+            for i, rows, grid, made_by in zip(missing, split_rows(sent.rows, sent.grids), sent.grids,
+                                              sent.fingerprints, strict=True):
+                found[i] = (rows, grid)
+                if digests and digests[i] is not None and made_by is not None:  # keyed by what made it
+                    self.cache.put(cache_key(digests[i], made_by), rows, grid)
+        ordered = [found[i] for i in range(len(images))]
+        rows = np.concatenate([r for r, _ in ordered])
+        return Embedded(rows, [g for _, g in ordered], [], meta | {"num_tokens": len(rows),
+                                                              "cached_images": len(images) - len(missing)})
+
+    async def _fingerprint(self) -> str | None:
+        """The preprocessing fingerprint every encoder reports (None when they disagree: an
+        embedding would depend on which one made it, so the cache is not read)."""
+        if not self.fingerprints:
+            for enc in self.encoders:
+                if await self._probe(enc):
+                    break
+        if len(set(self.fingerprints.values())) != 1:
+            if len(self.fingerprints) > 1:
+                log.warning("encoders report different preprocessing %s: the embedding cache is not read",
+                            self.fingerprints)
+            return None
+        return next(iter(self.fingerprints.values()))
+
+    async def _dispatch(self, rid: str, images: list[str]) -> Embedded:
+        healthy = [e for e in self.encoders if e.healthy] or self.encoders
+        count = min(len(healthy), len(images))
+        bounds = np.linspace(0, len(images), count + 1).astype(int)
+        tasks = [asyncio.ensure_future(self._part(rid, i, images[a:b]))
+                 for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return Embedded(np.concatenate([p.rows for p in parts]), [g for p in parts for g in p.grids],
+                        [p.meta.get("preprocessing") for p in parts for _ in p.grids],
+                        {"num_tokens": sum(p.meta["num_tokens"] for p in parts),
+                         "resume_rounds": sum(p.meta["resume_rounds"] for p in parts),
+                         "encoder_retries": sum(p.meta["attempts"] - 1 for p in parts),
+                         "transfer_ms": max(p.meta["transfer_ms"] for p in parts),
+                         "encode_ms": max(p.meta["encode_ms"] for p in parts),
+                         "encoder_wait_ms": max(p.meta["encoder_wait_ms"] for p in parts),
+                         "queue_ms": max(p.meta["queue_ms"] for p in parts),
+                         "encoders": [p.meta["encoder"] for p in parts]})
+
+    async def _part(self, rid: str, index: int, images: list[str]) -> Embedded:
+        tried: set[str] = set()
+        last: Exception | None = None
+        for attempt in range(1, self.max_attempts + 1):
+            enc = await self._pick(tried)
+            if enc is None:
+                break
+            tried.add(enc.url)
+            estimate = self.tokens_per_image * len(images)
+            enc.outstanding += estimate
+            part_rid = f"{rid}/part{index}.{attempt}"
+            try:
+                result = await self._encode_and_receive(enc, part_rid, images)
+            except ImageRefused:
+                self.parts.labels(enc.url, "refused_image").inc()
+                raise
+            except _EncoderFault as exc:
+                last = exc
+                self.parts.labels(enc.url, "failed").inc()
+                self.retries.inc()
+                enc.healthy, enc.next_probe = False, time.monotonic() + PROBE_INTERVAL
+                log.warning("rid=%s: part %d on %s failed (attempt %d): %s", rid, index, enc.url, attempt, exc)
+                continue
+            finally:
+                enc.outstanding -= estimate
+            self.parts.labels(enc.url, "ok").inc()
+            self.tokens_per_image = max(1, result.meta["num_tokens"] // len(images))
+            result.meta |= {"attempts": attempt, "encoder": enc.url}
+            return result
+        raise TransferFailure(FailureKind.PEER_FAILED, f"request {rid}: no encoder could encode part {index} "
+                                                       f"({len(tried)} tried): {last}")
+
+    async def _pick(self, tried: set[str]) -> Encoder | None:
+        """The healthy encoder with the fewest outstanding tokens not tried yet. One out of
+        rotation comes back once its /health answers (asked at most once a second, or at once
+        when no other is left)."""
+        now = time.monotonic()
+        left = [e for e in self.encoders if e.url not in tried]
+        none_healthy = not any(e.healthy for e in left)
+        for enc in left:
+            if not enc.healthy and (none_healthy or now >= enc.next_probe):
+                enc.next_probe = now + PROBE_INTERVAL
+                enc.healthy = await self._probe(enc)
+        return min((e for e in left if e.healthy), key=lambda e: e.outstanding, default=None)
+
+    async def _probe(self, enc: Encoder) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(f"{enc.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                health = await resp.json()
+            enc.bootstrap_port = int(health["bootstrap_port"])
+            self.fingerprints[enc.url] = str(health["preprocessing"])
+            return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+
+    async def _encode_and_receive(self, enc: Encoder, part_rid: str, images: list[str]) -> Embedded:
+        """One part on one encoder. This worker's own refusals (asleep, over its queue, a rid in
+        use, an embedding too large for its pool) pass through unchanged; the encoder's failures
+        are :class:`_EncoderFault`; the encoder's 4xx about the images is :class:`ImageRefused`."""
+        assert self._session is not None
+        if enc.bootstrap_port is None and not await self._probe(enc):
+            raise _EncoderFault(f"encoder {enc.url} does not answer /health")
+        room = secrets.randbits(62)
+        future = self.worker.submit(part_rid, f"{enc.host}:{enc.bootstrap_port}", room)
+        receiving = asyncio.ensure_future(wait_for_future(future, lambda: None))
+        try:
+            encoded = await self._post_encode(enc, part_rid, room, images)
+            try:
+                transfer = await receiving
+            except TransferFailure as exc:
+                if exc.kind in OUR_SIDE:
+                    raise
+                raise _EncoderFault(f"encoder {enc.url}: {exc}") from None
+            if transfer.get("sha256") != encoded.get("sha256"):  # end to end: what was sent is what landed
+                raise _EncoderFault(f"encoder {enc.url}: the embedding's digest differs between the two sides")
+        except BaseException:
+            self.worker.cancel(part_rid, "its encoder failed; sent to another one")
+            receiving.cancel()
+            raise
+        rows, positions = transfer.pop("embedding"), transfer.pop("mrope_positions")
+        try:
+            grids = grids_from_positions(positions)
+        except PromptError as exc:
+            raise _EncoderFault(f"encoder {enc.url}: its embedding cannot be placed: {exc}") from None
+        if encoded.get("preprocessing"):
+            self.fingerprints[enc.url] = str(encoded["preprocessing"])
+        return Embedded(rows, grids, [], transfer | {"encode_ms": encoded.get("encode_ms", 0.0),
+                                                 "preprocessing": self.fingerprints.get(enc.url)})
+
+    async def _post_encode(self, enc: Encoder, part_rid: str, room: int, images: list[str]) -> dict:
+        assert self._session is not None
+        try:
+            async with self._session.post(f"{enc.url}/encode", json={"rid": part_rid, "bootstrap_room": room,
+                                                                      "images": images}) as resp:
+                if resp.status == 200:
+                    encoded = await resp.json()
+                    if not isinstance(encoded, dict):
+                        raise ValueError("not a JSON object")
+                    return encoded
+                why = (await resp.text())[:500]
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+            raise _EncoderFault(f"encoder {enc.url}: {type(exc).__name__}: {exc}") from None
+        if 400 <= resp.status < 500 and resp.status not in (408, 429):  # about the images
+            raise ImageRefused(resp.status, f"encoder {enc.url} refused the image ({resp.status}): {why}")
+        raise _EncoderFault(f"encoder {enc.url} answered {resp.status}: {why}")
+
+
+class _EncoderFault(Exception):
+    """A part failed on the encoder's side (unreachable, busy, failed): it goes to another
+    encoder, and this one gets no new part until its /health answers."""
