@@ -136,7 +136,8 @@ class EncoderDispatch:
                 if digests and digests[i] is not None and made_by is not None:  # keyed by what made it
                     self.cache.put(cache_key(digests[i], made_by), rows, grid)
         ordered = [found[i] for i in range(len(images))]
-        rows = np.concatenate([r for r, _ in ordered])
+        # nothing from the cache: the parts' rows are already joined in order (no second copy)
+        rows = sent.rows if len(missing) == len(images) else np.concatenate([r for r, _ in ordered])
         return Embedded(rows, [g for _, g in ordered], [], meta | {"num_tokens": len(rows),
                                                               "cached_images": len(images) - len(missing)})
 
@@ -167,7 +168,8 @@ class EncoderDispatch:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        return Embedded(np.concatenate([p.rows for p in parts]), [g for p in parts for g in p.grids],
+        rows = parts[0].rows if len(parts) == 1 else np.concatenate([p.rows for p in parts])
+        return Embedded(rows, [g for p in parts for g in p.grids],
                         [p.meta.get("preprocessing") for p in parts for _ in p.grids],
                         {"num_tokens": sum(p.meta["num_tokens"] for p in parts),
                          "resume_rounds": sum(p.meta["resume_rounds"] for p in parts),

@@ -51,6 +51,17 @@ def through_disk(engine: Engine, folder: Path, lm) -> Engine:
     return fresh
 
 
+def save_mid_decode(parts, folder: Path) -> None:  # noqa: F811
+    """The two ``specs`` three tokens into decoding, suspended and written to ``folder``."""
+    _, lm, _ = parts
+    engine = new_engine(parts)
+    for req in specs(parts):
+        engine.add(req)
+    steps(engine, 3)
+    engine.suspend()
+    checkpoint.save(folder, geometry(lm), [], 0, list(engine.running.values()))
+
+
 def specs(parts) -> list[GenRequest]:  # noqa: F811
     return [request(parts, "img", 1, "Describe.", max_new_tokens=14),
             request(parts, "seeded", None, "Sampled.", max_new_tokens=14, temperature=0.9, top_p=0.95, seed=11)]
@@ -205,12 +216,7 @@ def test_pitfall_7_checkpoints_are_json_and_safetensors_nothing_is_pickled(parts
     """The files are plain JSON and a safetensors blob (a JSON header and raw arrays), read
     without any unpickler; no module of the workers can unpickle anything."""
     _, lm, _ = parts
-    engine = new_engine(parts)
-    for req in specs(parts):
-        engine.add(req)
-    steps(engine, 3)
-    engine.suspend()
-    checkpoint.save(tmp_path, geometry(lm), [], 0, list(engine.running.values()))
+    save_mid_decode(parts, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["language.json", "language.safetensors", "language.sha256"]
     meta = json.loads((tmp_path / "language.json").read_bytes())
     assert [g["rid"] for g in meta["generations"]] == ["img", "seeded"]
@@ -229,12 +235,7 @@ def test_a_tampered_or_mismatched_generation_checkpoint_is_refused_whole(parts, 
     """Checksums catch damage; a checkpoint rewritten with a valid checksum is still checked
     field by field, and one of another model is refused before anything is read."""
     _, lm, _ = parts
-    engine = new_engine(parts)
-    for req in specs(parts):
-        engine.add(req)
-    steps(engine, 3)
-    engine.suspend()
-    checkpoint.save(tmp_path, geometry(lm), [], 0, list(engine.running.values()))
+    save_mid_decode(parts, tmp_path)
     meta, tensors = json.loads((tmp_path / "language.json").read_bytes()), dict(_tensors(tmp_path))
     cases = [
         (lambda m, t: m["generations"][0].update(output_ids=[lm.vocab_size]), "outside the vocabulary"),
