@@ -3,7 +3,9 @@
 Files in the checkpoint folder, per role (``encode`` or ``language``):
 ``{role}.safetensors``, ``{role}.json`` and ``{role}.sha256`` (sha256 of the JSON bytes
 followed by the safetensors bytes). They are written to temporary names and renamed, the
-checksum last, so a crash leaves either the old checkpoint or none. Loading verifies the
+checksum last, so a crash leaves the old checkpoint, a damaged one (refused: checksum) or none.
+The safetensors file is written array by array, hashed on the way (a gigabyte of KV is never
+joined into one more buffer); ``safetensors`` itself reads it back. Loading verifies the
 checksum, the format and the worker's geometry before returning anything; on any mismatch it
 raises :class:`CheckpointError` and the caller has loaded nothing. Nothing is pickled.
 """
@@ -11,16 +13,17 @@ raises :class:`CheckpointError` and the caller has loaded nothing. Nothing is pi
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 from safetensors.numpy import load as load_tensors
-from safetensors.numpy import save as save_tensors
 
 from connector.buffers import Embedding
 
@@ -52,21 +55,66 @@ def peek(folder: str | Path, role: str, key: str) -> object:
         return None
 
 
+_SAFETENSORS_DTYPES = {np.dtype(t): name for t, name in [
+    (np.bool_, "BOOL"), (np.uint8, "U8"), (np.int8, "I8"), (np.uint16, "U16"), (np.int16, "I16"), (np.uint32, "U32"),
+    (np.int32, "I32"), (np.uint64, "U64"), (np.int64, "I64"), (np.float16, "F16"), (np.float32, "F32"),
+    (np.float64, "F64")]}
+
+
 def save(folder: str | Path, role: str, meta: dict, tensors: dict[str, np.ndarray]) -> int:
-    """Write a checkpoint; returns its size in bytes."""
+    """Write a checkpoint; returns its size in bytes. All three files go to temporary names
+    first and are renamed only once all are on disk (the checksum last): a failure on the way
+    (disk full, an array safetensors has no dtype for) leaves the previous checkpoint whole."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     body = json.dumps({"format": FORMAT, "role": role, **meta}, sort_keys=True).encode()
-    blob = save_tensors({k: np.ascontiguousarray(v) for k, v in tensors.items()})
-    digest = _digest(body, blob)
-    for path, data in zip(_paths(folder, role), (body, blob, digest), strict=True):
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+    # widest elements first, as safetensors lays them out: every array starts aligned
+    tensors = dict(sorted(tensors.items(), key=lambda item: (-item[1].dtype.itemsize, item[0])))
+    header = _safetensors_header(tensors)
+    arrays = (memoryview(np.require(a, requirements="C").reshape(-1).view(np.uint8)) for a in tensors.values())
+    hasher = hashlib.sha256(body)
+    paths = _paths(folder, role)
+    temporary = [path.with_suffix(path.suffix + ".tmp") for path in paths]
+    try:
+        size = _write(temporary[0], [body]) + _write(temporary[1], itertools.chain([header], arrays), hasher)
+        _write(temporary[2], [hasher.hexdigest().encode()])
+    except BaseException:
+        for tmp in temporary:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, path in zip(temporary, paths, strict=True):
         tmp.replace(path)
-    return len(body) + len(blob)
+    return size
+
+
+def _write(path: Path, chunks: Iterable[bytes | memoryview], hasher: hashlib._Hash | None = None) -> int:
+    """``chunks`` to ``path``, on disk (fsync); the bytes written (fed to ``hasher`` on the way)."""
+    written = 0
+    with open(path, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+            if hasher is not None:
+                hasher.update(chunk)
+            written += len(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    return written
+
+
+def _safetensors_header(tensors: dict[str, np.ndarray]) -> bytes:
+    """The start of a safetensors file holding ``tensors`` in their order: the JSON header's
+    length, then the header (dtype, shape and byte range per array, padded to 8 bytes); the
+    arrays' bytes follow."""
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        if array.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name}: no safetensors dtype for {array.dtype}")
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
 
 
 def _digest(body: bytes, blob: bytes) -> bytes:

@@ -96,9 +96,9 @@ def _generation_tensors(prefix: str, gen: GenRequest) -> dict[str, np.ndarray]:
                f"{prefix}.image_mask": gen.prompt.image_mask, f"{prefix}.generator": gen.generator.get_state().numpy()}
     if gen.image_rows is not None:
         tensors[f"{prefix}.image_rows"] = gen.image_rows
-    for layer, (keys, values) in enumerate(gen.saved_kv or []):
-        tensors[f"{prefix}.k{layer}"] = keys.view(_SAME_WIDTH_INT[keys.element_size()][0]).numpy()
-        tensors[f"{prefix}.v{layer}"] = values.view(_SAME_WIDTH_INT[values.element_size()][0]).numpy()
+    for layer, (keys, values) in enumerate(gen.saved_kv or []):  # torch lays out a transposed view fastest
+        tensors[f"{prefix}.k{layer}"] = keys.contiguous().view(_SAME_WIDTH_INT[keys.element_size()][0]).numpy()
+        tensors[f"{prefix}.v{layer}"] = values.contiguous().view(_SAME_WIDTH_INT[values.element_size()][0]).numpy()
     return tensors
 
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from language_side.model import LanguageModel, Sequence
+from language_side.model import LanguageModel, PassInterrupted, Sequence
 from language_side.prompt import Prompt
 
 
 class Phase(enum.Enum):
-    WAITING = "waiting"  # added; waits for KV budget
+    WAITING = "waiting"  # added; waits for KV budget (and is still waiting while its prefill runs)
     RUNNING = "running"  # prefilled; decodes one token per step
     FINISHED = "finished"  # stop token, stop string or length; KV given back
     ABORTED = "aborted"  # ended by abort; KV given back
@@ -154,25 +154,31 @@ class Engine:
 
     def step(self, pause: Callable[[], bool] = lambda: False) -> list[StepOutput]:
         """Prefill what fits, then one decode step for the rest; every token generated. When
-        ``pause()`` turns true the step ends before the next request's forward pass: each
-        request's tokens depend on its own passes only, so the ones left out simply take theirs
-        in the next step (a sleep waits for one forward pass, not for a whole step)."""
+        ``pause()`` turns true the step ends at the next decoder layer: the forward pass under
+        way is dropped (its request's cache as before it; a prefill is simply run again later,
+        from the start: there are no chunks to keep) and the requests not reached take their
+        pass in the next step. Each request's tokens depend on its own passes only, so where
+        the step ends changes no token; a sleep waits for one layer, not a whole step."""
         if self.suspended:
             raise RuntimeError("the engine is suspended")
         outputs = []
         prefilled: set[str] = set()
         while self.waiting and self.kv_used + self.waiting[0].kv_tokens <= self.kv_budget and not pause():
-            req = self.waiting.popleft()
-            self.kv_used += req.kv_tokens
-            req.move(Phase.RUNNING)
+            req = self.waiting[0]
             start = time.perf_counter()
             try:
-                req.seq = self.model.prefill(req.prompt, req.image_rows)
+                seq = self.model.prefill(req.prompt, req.image_rows, interrupt=pause)
+            except PassInterrupted:  # first in line still
+                break
             except Exception as exc:  # this request's input (or memory): it alone ends
+                self.waiting.popleft()
                 self._end(req, Phase.ABORTED, "abort")
                 outputs.append(StepOutput(req.rid, None, "abort", f"prefill failed: {type(exc).__name__}: {exc}"))
                 continue
-            req.prefill_seconds = time.perf_counter() - start
+            self.waiting.popleft()
+            self.kv_used += req.kv_tokens
+            req.move(Phase.RUNNING)
+            req.seq, req.prefill_seconds = seq, time.perf_counter() - start
             if self.sleep_kv == "keep":
                 req.image_rows = None  # in the KV cache now (recompute keeps it to replay the prompt)
             self.running[req.rid] = req
@@ -181,10 +187,11 @@ class Engine:
         for req in list(self.running.values()):
             if req.rid in prefilled:
                 continue
-            if pause():
-                break
             assert req.seq is not None
-            self.model.decode(req.seq, req.output_ids[-1])
+            try:
+                self.model.decode(req.seq, req.output_ids[-1], interrupt=pause)
+            except PassInterrupted:  # its cache as before: it decodes this token in the next step
+                break
             outputs.append(self._emit(req))
         return outputs
 

@@ -7,12 +7,18 @@ takes the prompt's token ids with the received image embedding scattered into th
 and explicit M-RoPE positions (:mod:`language_side.prompt`); each decode step continues at
 ``cache length + delta`` on all three axes. Every request has its own KV cache object, so
 nothing is shared between requests on the model (transformers' ``rope_deltas`` is never used).
+
+A pass can be interrupted between two decoder layers (a sleep does not wait for a long prefill
+or a deep model's whole pass): ``interrupt()`` is asked before each layer and, once it is
+true, the pass raises :class:`PassInterrupted` with the sequence as it was before the pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +31,10 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryE
 from language_side.prompt import Prompt
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class PassInterrupted(Exception):
+    """A forward pass stopped between two layers; nothing it computed was kept."""
 
 
 @dataclass
@@ -49,6 +59,11 @@ class LanguageModel:
         self.config, self.text_config, self.device = config, text, torch.device(device)
         self.dtype = _DTYPES.get(str(getattr(text, "dtype", None) or _checkpoint_dtype(folder)).replace("torch.", ""),
                                  torch.bfloat16)
+        if sliding := [t for t in getattr(text, "layer_types", None) or [] if t != "full_attention"]:
+            # a sliding cache keeps other state than keys and values: KV export and the
+            # rollback of an interrupted pass would not be exact
+            raise ValueError(f"{folder}: layers of type {sorted(set(sliding))} (use_sliding_window) are not "
+                             f"supported; only full attention")
         self.hidden_size, self.vocab_size = text.hidden_size, text.vocab_size
         self.max_length = int(text.max_position_embeddings)
         self.image_token_id = int(config.image_token_id)
@@ -65,6 +80,9 @@ class LanguageModel:
             self.model = Qwen2_5_VLTextModel(text)
             self.lm_head = torch.nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.model.eval()
+        self._interrupt: Callable[[], bool] | None = None  # asked before each decoder layer of a pass
+        for layer in self.model.layers:
+            layer.register_forward_pre_hook(self._before_layer)
         self.weights = "none"  # "device", "host" (level-1 sleep) or "none" (level-2 sleep)
         self.load_weights()
 
@@ -120,9 +138,11 @@ class LanguageModel:
         return Sequence(cache, delta, torch.empty(0))
 
     @torch.inference_mode()
-    def prefill(self, prompt: Prompt, image_rows: np.ndarray | None) -> Sequence:
+    def prefill(self, prompt: Prompt, image_rows: np.ndarray | None,
+                interrupt: Callable[[], bool] | None = None) -> Sequence:
         """Run the prompt; ``image_rows`` is the received embedding as bf16 bytes ``[n, hidden*2]``
-        (or None for a text-only prompt), ``n`` equal to the prompt's image tokens."""
+        (or None for a text-only prompt), ``n`` equal to the prompt's image tokens.
+        :class:`PassInterrupted` once ``interrupt()`` is true (no sequence)."""
         ids = torch.from_numpy(prompt.input_ids).to(self.device)[None]
         embeds = self.model.embed_tokens(ids)
         if prompt.image_tokens:
@@ -134,16 +154,38 @@ class LanguageModel:
             embeds[0, torch.from_numpy(prompt.image_mask).to(self.device)] = rows
         cache = DynamicCache(config=self.text_config)
         positions = torch.from_numpy(prompt.positions).to(self.device)[:, None, :]
-        out = self.model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
+        with self._interruptible(interrupt):
+            out = self.model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
         return Sequence(cache, prompt.delta, self._logits(out.last_hidden_state[0, -1]))
 
     @torch.inference_mode()
-    def decode(self, seq: Sequence, token: int) -> None:
-        """Feed one generated token; ``seq.last_logits`` is then the next token's."""
+    def decode(self, seq: Sequence, token: int, interrupt: Callable[[], bool] | None = None) -> None:
+        """Feed one generated token; ``seq.last_logits`` is then the next token's.
+        :class:`PassInterrupted` once ``interrupt()`` is true, ``seq`` as it was."""
         ids = torch.tensor([[token]], device=self.device)
         position = torch.full((3, 1, 1), seq.length + seq.delta, device=self.device)
-        out = self.model(input_ids=ids, position_ids=position, past_key_values=seq.cache, use_cache=True)
+        # each layer's update concatenates into new tensors: putting these back undoes a pass
+        before = [(layer.keys, layer.values) for layer in seq.cache.layers]
+        try:
+            with self._interruptible(interrupt):
+                out = self.model(input_ids=ids, position_ids=position, past_key_values=seq.cache, use_cache=True)
+        except PassInterrupted:
+            for layer, (keys, values) in zip(seq.cache.layers, before, strict=True):
+                layer.keys, layer.values = keys, values
+            raise
         seq.last_logits = self._logits(out.last_hidden_state[0, -1])
+
+    @contextlib.contextmanager
+    def _interruptible(self, interrupt: Callable[[], bool] | None) -> Iterator[None]:
+        self._interrupt = interrupt
+        try:
+            yield
+        finally:
+            self._interrupt = None
+
+    def _before_layer(self, _layer: torch.nn.Module, _args: tuple) -> None:
+        if self._interrupt is not None and self._interrupt():
+            raise PassInterrupted
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -126,7 +126,7 @@ class GenerationService:
         self._unclaimed: dict[str, Generation] = {}
         self._stop = False
         self._suspended = False  # asleep: no step runs; aborts still apply
-        self._stepping = threading.Lock()  # held by the engine thread for each step
+        self._stepping = threading.RLock()  # held by the engine thread for each step (and see held())
         self._holding = 0  # callers waiting for (or holding) the engine between steps
         self._thread = threading.Thread(target=self._run, name="language-engine", daemon=True)
         self._thread.start()
@@ -205,12 +205,11 @@ class GenerationService:
             return len(self._generations)
 
     def suspend(self, level: int) -> dict:
-        """Sleep: stop after the forward pass under way (a prefill under way finishes: it is one
-        forward pass; requests not yet decoded in this step decode in the next), move every
-        running request's KV to the host (or drop it, ``--sleep-kv recompute``) and release the
-        weights (level 1: to host memory, level 2: dropped). Requests keep their tokens, sampler
-        state and streams. Says how long it waited for the pass under way and how long the
-        suspension itself took."""
+        """Sleep: stop at the next decoder layer (the pass under way is dropped, a prefill rolled
+        back to its start; see :meth:`Engine.step`), move every running request's KV to the host
+        (or drop it, ``--sleep-kv recompute``) and release the weights (level 1: to host memory,
+        level 2: dropped). Requests keep their tokens, sampler state and streams. Says how long
+        it waited for the layer under way and how long the suspension itself took."""
         asked = time.perf_counter()
         with self._between_steps():
             held = time.perf_counter()
@@ -272,6 +271,11 @@ class GenerationService:
                 self._suspended = False
                 self._cv.notify()
             return _ms(time.perf_counter() - start)
+
+    def held(self) -> contextlib.AbstractContextManager[None]:
+        """No step starts while in it (a wake-up holds the engine until it is done, so that the
+        first step does not compete with it for the CPU); :meth:`resume` may be called inside."""
+        return self._between_steps()
 
     def model_geometry(self) -> dict:
         return self.model.geometry
@@ -350,7 +354,8 @@ class GenerationService:
                 self._end(gen, "abort", error=why)
 
     def _step(self) -> None:
-        self._deliver(self.engine.step(pause=lambda: self._holding > 0))  # a sleep waits for one forward pass
+        # whoever holds the engine (only sleep and wake-up do) waits for one decoder layer
+        self._deliver(self.engine.step(pause=lambda: self._holding > 0))
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """Each request's tokens of a step (or its end) to its handler, in one event."""

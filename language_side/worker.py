@@ -27,6 +27,7 @@ under a new generation and continues every request from where it stood, in queue
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import functools
 import logging
@@ -65,6 +66,8 @@ class Generations(Protocol):
     def suspend(self, level: int) -> dict: ...
 
     def resume(self) -> float: ...
+
+    def held(self) -> contextlib.AbstractContextManager[None]: ...
 
     def snapshot(self) -> list[GenRequest]: ...
 
@@ -354,15 +357,17 @@ class LanguageWorker:
                     except ValueError as exc:  # e.g. a smaller KV budget than the writer's
                         raise checkpoint_files.CheckpointError(f"checkpoint in {self.checkpoint_dir}: {exc}") from None
                 self._saved = saved  # in memory now: a wake-up that fails below is tried again from here
-            engine_ms = 0.0
-            if self.generations is not None:  # before the pool: a model that cannot be loaded leaves all asleep
-                engine_ms = self.generations.resume()
-            self.pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
-                                   self.config.dtype, prefault=False)
-            self.allocator = BlockAllocator(self.config.num_blocks)
-            self.receivers.attach_pool(self.pool, self.allocator)
-            self.pool.prefault_in_background()
-            self._restore(saved or [])
+            # the first step waits for the end of the wake-up: it would compete with it for the CPU
+            with self.generations.held() if self.generations is not None else contextlib.nullcontext():
+                engine_ms = 0.0
+                if self.generations is not None:  # before the pool: a model that cannot be loaded leaves all asleep
+                    engine_ms = self.generations.resume()
+                self.pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
+                                       self.config.dtype, prefault=False)
+                self.allocator = BlockAllocator(self.config.num_blocks)
+                self.receivers.attach_pool(self.pool, self.allocator)
+                self.pool.prefault_in_background()
+                self._restore(saved or [])
             if self.checkpoint_dir:
                 checkpoint_files.remove(self.checkpoint_dir, checkpoint.ROLE)
             self._saved = None

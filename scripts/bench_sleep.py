@@ -14,19 +14,24 @@ state, not encoding):
 Every request then finishes and its digest is checked. The baseline copies the same number
 of bytes once with numpy into fresh memory, right after each measurement.
 
-Generations (``--parts generations``; the seeded checkpoint, text prompts of about 500
-tokens): N streaming generations decode on a language worker with ``--sleep-kv keep`` and on
-one with ``recompute`` (each with a checkpoint folder in memory-backed ``/dev/shm`` where
-there is one); ``/sleep?level=1`` then ``/wake_up`` while they run. Reported per mode: the KV
-bytes kept in memory, the checkpoint's bytes and write time, the whole sleep (without the
-checkpoint write; it includes waiting for the step under way) and wake-up as a client sees
-them, the engine's own part of both (KV out and back, weights), each against a memcpy of the
-KV bytes into memory already faulted in (the strict baseline: bandwidth alone), and each stream's wait from sending the wake-up to its next token against its
-inter-token latency before the sleep.
+Generations (``--parts generations``; seeded checkpoints, text prompts of about 500 tokens):
+N streaming generations decode on three language workers: ``keep`` (``--sleep-kv keep``, state
+in host memory only), ``keep+disk`` (the same with a ``--checkpoint-dir`` in memory-backed
+``/dev/shm`` where there is one: the wake-up removes the checkpoint) and ``recompute+disk``
+(``--sleep-kv recompute``); ``/sleep?level=1`` then ``/wake_up`` while they run. Two model shapes (``--kv-shape``):
+``seeded``, the tests' one-layer model (2 KiB of KV per token), and ``7b``, a narrow model
+with Qwen2.5-VL-7B's KV geometry (28 layers x 4 KV heads x head_dim 128, bf16: 56 KiB per
+token, so the KV bytes are a 7B's and the fixed costs of a sleep weigh what they would there).
+Reported per shape and mode: the KV bytes kept in memory, the checkpoint's bytes and write
+time, the whole sleep (without the checkpoint write; it includes waiting for the decoder layer
+under way) and wake-up as a client sees them, the engine's own part of both (KV out and back,
+weights), each against a memcpy of the KV bytes into memory already faulted in (the strict
+baseline: bandwidth alone), and each stream's wait from sending the wake-up to its next token
+against its inter-token latency before the sleep.
 
-Prints the tables; the generations' ends with ``keep_engine_sleep_wake_vs_memcpy_8=<x>``,
-the transfers' (last, when both run) with ``ratio_sleep_wake_vs_memcpy_32=<x>`` (the slower
-side, median).
+Prints the tables; the generations' ends with ``keep_sleep_wake_vs_memcpy_<shape>_8=<x>`` per
+shape (``keep``'s whole sleep + wake-up over HTTP / memcpy, median), the transfers' (last, when both
+run) with ``ratio_sleep_wake_vs_memcpy_32=<x>`` (the slower side, median).
 """
 
 from __future__ import annotations
@@ -89,11 +94,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", help="write the raw numbers here")
     ap.add_argument("--parts", default="transfers,generations", help="transfers, generations or both")
+    ap.add_argument("--kv-shape", default="seeded,7b", help="the generations' model(s): seeded (one layer, 2 KiB of KV "
+                    "per token), 7b (Qwen2.5-VL-7B's 28 layers x 4 KV heads x 128, 56 KiB per token), or both")
     args = ap.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
     parts = set(args.parts.split(","))
     if "generations" in parts:
-        generations = bench_generations(counts, args.reps)
+        generations = bench_generations(counts, args.reps, args.kv_shape.split(","))
         if args.json:
             Path(args.json).with_suffix(".generations.json").write_text(json.dumps(generations, indent=1))
     if "transfers" in parts:
@@ -178,47 +185,60 @@ def bench_transfers(counts: list[int], reps: int, json_path: str | None) -> None
         print(f"ratio_sleep_wake_vs_memcpy_{most}={worst:.2f}")
 
 
-def bench_generations(counts: list[int], reps: int) -> list[dict]:
+KV_SHAPES = {"seeded": (3584, 1), "7b": (512, 28)}  # (hidden size, layers); head_dim 128, 4 KV heads, bf16
+MODES = ("keep", "keep+disk", "recompute+disk")  # --sleep-kv, and whether a --checkpoint-dir is written
+
+
+def bench_generations(counts: list[int], reps: int, shapes: list[str]) -> list[dict]:
     from make_checkpoint import write_checkpoint
 
+    unknown = set(shapes) - set(KV_SHAPES)
+    if unknown:
+        raise SystemExit(f"--kv-shape: unknown {sorted(unknown)}; choose from {sorted(KV_SHAPES)}")
     tmp = tempfile.TemporaryDirectory(prefix="bench-sleep-gen-")
     shm = Path("/dev/shm")
     disk = tempfile.TemporaryDirectory(prefix="bench-sleep-ckpt-", dir=shm if shm.is_dir() else None)
-    print("writing the seeded checkpoint ...", file=sys.stderr, flush=True)
-    folder = str(write_checkpoint(Path(tmp.name) / "model", 3584))
     rows: list[dict] = []
     rids = itertools.count()
-    for mode in ("keep", "recompute"):
-        print(f"starting a language worker with --sleep-kv {mode} ...", file=sys.stderr, flush=True)
-        worker = WorkerProcess("language", "--model-path", folder, "--sleep-kv", mode, "--max-total-tokens",
-                               str(max(counts) * 2100), "--checkpoint-dir", str(Path(disk.name) / mode))
-        try:
-            for rep, n in itertools.product(range(reps), counts):
-                print(f"{mode}: repetition {rep + 1}/{reps}, {n} generations", file=sys.stderr, flush=True)
-                rows.append({"mode": mode, "n": n, **sleep_while_generating(worker, n, rids)})
-        finally:
-            worker.stop()
+    for shape in shapes:
+        hidden, layers = KV_SHAPES[shape]
+        print(f"writing the {shape} checkpoint ({layers} layer(s), width {hidden}) ...", file=sys.stderr, flush=True)
+        folder = str(write_checkpoint(Path(tmp.name) / shape, hidden, layers=layers))
+        for mode in MODES:
+            kv, on_disk = mode.split("+") if "+" in mode else (mode, "")
+            print(f"starting a language worker for {mode} ...", file=sys.stderr, flush=True)
+            to_disk = ("--checkpoint-dir", str(Path(disk.name) / shape / kv)) if on_disk else ()
+            worker = WorkerProcess("language", "--model-path", folder, "--hidden-size", str(hidden), "--sleep-kv", kv,
+                                   "--max-total-tokens", str(max(counts) * 2100), *to_disk)
+            try:
+                for rep, n in itertools.product(range(reps), counts):
+                    print(f"{shape} {mode}: repetition {rep + 1}/{reps}, {n} generations", file=sys.stderr,
+                          flush=True)
+                    rows.append({"shape": shape, "mode": mode, "n": n, **sleep_while_generating(worker, n, rids)})
+            finally:
+                worker.stop()
     disk.cleanup()
     tmp.cleanup()
-    print(f"\nsleep+wake with N running generations (seeded model, 2 KiB of KV per token), {reps} repetitions, "
-          f"medians")
-    print(f"{'mode':<10} {'N':>3} {'KV MiB':>7} {'ckpt MiB':>9} {'ckpt ms':>8} {'sleep ms':>9} {'step wait':>9} "
-          f"{'wake ms':>8} {'engine ms':>9} {'memcpy ms':>10} {'ratio':>6} {'engine ratio':>12} "
+    print(f"\nsleep+wake with N running generations, {reps} repetitions, medians; ratio = (sleep + wake) / memcpy "
+          f"of the KV bytes; the sleep leaves out the checkpoint write (its own columns)")
+    print(f"{'shape':<7} {'mode':<14} {'N':>3} {'KV MiB':>7} {'ckpt MiB':>9} {'ckpt ms':>8} {'sleep ms':>9} "
+          f"{'step wait':>9} {'wake ms':>8} {'engine ms':>9} {'memcpy ms':>10} {'ratio':>6} {'engine ratio':>12} "
           f"{'wake→next ms':>12} {'ITL ms':>7} {'next/ITL':>9}")
-    for mode, n in itertools.product(("keep", "recompute"), counts):
-        sel = [r for r in rows if r["mode"] == mode and r["n"] == n]
-        med = {k: statistics.median(r[k] for r in sel) for k in sel[0] if k not in ("mode", "n")}
+    ratios: dict[tuple[str, str, int], float] = {}
+    for shape, mode, n in itertools.product(shapes, MODES, counts):
+        sel = [r for r in rows if (r["shape"], r["mode"], r["n"]) == (shape, mode, n)]
+        med = {k: statistics.median(r[k] for r in sel) for k in sel[0] if k not in ("shape", "mode", "n")}
         ratio = (med["sleep_s"] + med["wake_s"]) / med["memcpy_s"] if med["kv_bytes"] else float("nan")
         engine_ratio = med["engine_s"] / med["memcpy_s"] if med["kv_bytes"] else float("nan")
-        print(f"{mode:<10} {n:>3} {med['kv_bytes'] / 2**20:>7.1f} {med['checkpoint_bytes'] / 2**20:>9.1f} "
+        ratios[shape, mode, n] = ratio
+        print(f"{shape:<7} {mode:<14} {n:>3} {med['kv_bytes'] / 2**20:>7.1f} {med['checkpoint_bytes'] / 2**20:>9.1f} "
               f"{med['checkpoint_s'] * 1e3:>8.0f} {med['sleep_s'] * 1e3:>9.1f} {med['step_wait_s'] * 1e3:>9.1f} "
               f"{med['wake_s'] * 1e3:>8.1f} {med['engine_s'] * 1e3:>9.2f} {med['memcpy_s'] * 1e3:>10.2f} "
-              f"{ratio:>6.1f} {engine_ratio:>12.2f} {med['next_token_s'] * 1e3:>12.1f} "
+              f"{ratio:>6.2f} {engine_ratio:>12.2f} {med['next_token_s'] * 1e3:>12.1f} "
               f"{med['itl_s'] * 1e3:>7.1f} {med['next_token_s'] / med['itl_s']:>9.2f}")
     n = 8 if 8 in counts else max(counts)
-    keep = [r for r in rows if r["mode"] == "keep" and r["n"] == n]
-    ratio = statistics.median(r["engine_s"] for r in keep) / statistics.median(r["memcpy_s"] for r in keep)
-    print(f"keep_engine_sleep_wake_vs_memcpy_{n}={ratio:.2f}")
+    for shape in shapes:
+        print(f"keep_sleep_wake_vs_memcpy_{shape}_{n}={ratios[shape, 'keep', n]:.2f}")
     return rows
 
 

@@ -6,7 +6,7 @@ Nothing can be downloaded here, so this folder stands in for a real checkpoint o
 tokenizer). The weights are random (seeded): generated text means nothing, but tokens are
 exact, so the disaggregated path can be compared with transformers' monolithic model.
 
-    python scripts/make_checkpoint.py /tmp/qwen-seeded [--hidden-size 2048] [--seed 0]
+    python scripts/make_checkpoint.py /tmp/qwen-seeded [--hidden-size 2048] [--seed 0] [--layers 28]
 """
 
 from __future__ import annotations
@@ -77,11 +77,11 @@ def write_tokenizer(folder: Path) -> dict[str, int]:
     return ids
 
 
-def model_config(hidden_size: int, ids: dict[str, int]) -> dict:
+def model_config(hidden_size: int, ids: dict[str, int], layers: int = 1) -> dict:
     """A small Qwen2.5-VL: the vision tower the encode worker builds by default, and a language
-    model of one layer whose width is the tower's output width."""
+    model of ``layers`` layers (one by default) whose width is the tower's output width."""
     heads = hidden_size // 128  # head_dim 128, as in Qwen2.5-VL-3B/7B
-    text = {"vocab_size": VOCAB_SIZE, "hidden_size": hidden_size, "intermediate_size": 512, "num_hidden_layers": 1,
+    text = {"vocab_size": VOCAB_SIZE, "hidden_size": hidden_size, "intermediate_size": 512, "num_hidden_layers": layers,
             "num_attention_heads": heads, "num_key_value_heads": 4 if heads % 4 == 0 else heads,
             "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "hidden_act": "silu",
             "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [16, 24, 24]},
@@ -93,18 +93,21 @@ def model_config(hidden_size: int, ids: dict[str, int]) -> dict:
             "tie_word_embeddings": False}
 
 
-def write_checkpoint(folder: str | Path, hidden_size: int = 3584, seed: int = 0) -> Path:
+def write_checkpoint(folder: str | Path, hidden_size: int = 3584, seed: int = 0, layers: int = 1) -> Path:
     """The whole folder: config.json, model.safetensors (bf16), tokenizer files, chat template,
-    preprocessor_config.json."""
+    preprocessor_config.json. ``hidden_size=512, layers=28`` gives Qwen2.5-VL-7B's KV per token
+    (28 layers x 4 KV heads x head_dim 128, bf16: 56 KiB) in a model a CPU runs quickly."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     if hidden_size % 128:
         raise ValueError(f"hidden size {hidden_size} must be a multiple of 128 (head_dim 128)")
+    if layers < 1:
+        raise ValueError(f"layers must be at least 1, got {layers}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(folder)
-    config = Qwen2_5_VLConfig(**model_config(hidden_size, ids))
+    config = Qwen2_5_VLConfig(**model_config(hidden_size, ids, layers))
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16).eval()
     model.save_pretrained(folder, safe_serialization=True)
@@ -122,5 +125,6 @@ if __name__ == "__main__":
     ap.add_argument("folder")
     ap.add_argument("--hidden-size", type=int, default=3584, help="language width = vision output (default 3584)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=1, help="language model layers (default 1)")
     args = ap.parse_args()
-    print(write_checkpoint(args.folder, args.hidden_size, args.seed))
+    print(write_checkpoint(args.folder, args.hidden_size, args.seed, args.layers))

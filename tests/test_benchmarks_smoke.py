@@ -73,15 +73,18 @@ def test_the_main_job_generates_and_matches_the_monolithic_model(tmp_path: Path)
     assert all(len(r["output_ids"]) == 16 and r["encode_ms"] > 0 for r in results.values())
 
 
-def test_bench_sleep_generations_prints_keep_and_recompute_rows_and_the_engine_ratio(tmp_path: Path) -> None:
+def test_bench_sleep_generations_prints_each_modes_row_and_the_ratio_with_a_7bs_kv(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(SCRIPTS / "bench_sleep.py"), "--parts", "generations", "--counts", "1",
-                          "--reps", "1", "--json", str(tmp_path / "s.json")], capture_output=True, text=True,
-                         timeout=600)
+                          "--reps", "1", "--kv-shape", "7b", "--json", str(tmp_path / "s.json")], capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert re.fullmatch(r"keep_engine_sleep_wake_vs_memcpy_1=\d+\.\d+", out.stdout.strip().splitlines()[-1])
+    assert re.fullmatch(r"keep_sleep_wake_vs_memcpy_7b_1=\d+\.\d+", out.stdout.strip().splitlines()[-1])
     rows = {r["mode"]: r for r in json.loads((tmp_path / "s.generations.json").read_text())}
-    assert rows["keep"]["kv_bytes"] > 0 and rows["recompute"]["kv_bytes"] == 0  # recompute keeps no KV
-    assert rows["keep"]["checkpoint_bytes"] > rows["recompute"]["checkpoint_bytes"] > 0
+    assert set(rows) == {"keep", "keep+disk", "recompute+disk"}
+    assert rows["keep"]["kv_bytes"] > 0 and rows["recompute+disk"]["kv_bytes"] == 0  # recompute keeps none
+    assert rows["keep"]["kv_bytes"] % (28 * 2 * 4 * 128 * 2) == 0  # whole tokens of the 7B's KV: 56 KiB each
+    assert rows["keep"]["checkpoint_bytes"] == 0  # no --checkpoint-dir
+    assert rows["keep+disk"]["checkpoint_bytes"] > rows["recompute+disk"]["checkpoint_bytes"] > 0
     assert all(r["next_token_s"] > 0 and r["itl_s"] > 0 for r in rows.values())
 
 

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from embedding_side.encoders import QwenVisionEncoder
 from language_side.engine import Engine, GenRequest, Phase, SamplingParams, sample
-from language_side.model import LanguageModel, greedy
+from language_side.model import LanguageModel, PassInterrupted, greedy
 from language_side.prompt import IMAGE_PLACEHOLDER as P
 from language_side.prompt import build_prompt
 
@@ -222,30 +222,68 @@ def test_an_abort_while_suspended_gives_the_kv_back(parts) -> None:
     assert len(run(engine)["b"]) == 49 and engine.kv_used == 0
 
 
-def test_a_step_paused_between_two_forward_passes_changes_no_request_tokens(parts) -> None:
-    """A sleep needs the engine between two forward passes, not at the end of a whole step: a
-    step cut after any request's pass leaves the others for the next step, and every request
-    still gives its uninterrupted tokens."""
-    def requests_():
-        return [request(parts, rid, None, f"Text {rid}.", max_new_tokens=10, temperature=0.8, seed=i)
-                for i, rid in enumerate("abc")]
+@pytest.fixture(scope="module")
+def deep_parts(tmp_path_factory):
+    """Three decoder layers: a pass can be cut between two of them."""
+    folder = write_checkpoint(tmp_path_factory.mktemp("qwen-deep"), 512, layers=3)
+    return QwenVisionEncoder(folder), LanguageModel(folder), AutoTokenizer.from_pretrained(folder)
 
-    def cut_after(passes: int):
+
+def test_an_interrupted_pass_leaves_the_sequence_as_it_was(deep_parts) -> None:
+    _, lm, tokenizer = deep_parts
+    prompt = build_prompt(tokenizer, "Cut me.", [], lm.max_length)
+
+    def after(layers: int):
         asked = itertools.count()
-        return lambda: next(asked) >= passes
+        return lambda: next(asked) >= layers
 
-    reference = run(new_engine(parts), {0: requests_()})
-    engine = new_engine(parts)
+    for cut in range(3):  # before the first, second or third layer
+        with pytest.raises(PassInterrupted):
+            lm.prefill(prompt, None, interrupt=after(cut))
+    seq, twin = lm.prefill(prompt, None), lm.prefill(prompt, None)
+    lm.decode(twin, 65)
+    for cut in range(3):
+        before = [(layer.keys, layer.values) for layer in seq.cache.layers]
+        with pytest.raises(PassInterrupted):
+            lm.decode(seq, 65, interrupt=after(cut))
+        assert all(layer.keys is k and layer.values is v for layer, (k, v) in zip(seq.cache.layers, before, strict=True))
+        assert seq.length == len(prompt.input_ids)
+    lm.decode(seq, 65)
+    assert torch.equal(seq.last_logits, twin.last_logits)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(seq.cache.layers, twin.cache.layers, strict=True))
+
+
+def test_a_step_cut_at_any_layer_changes_no_request_tokens(deep_parts) -> None:
+    """A sleep waits for one decoder layer, not a pass or a step: a step cut before any layer
+    of any request's prefill or decode drops that pass, leaves the others for the next step,
+    and every request still gives its uninterrupted tokens (images, greedy and seeded)."""
+    def requests_():
+        return [request(deep_parts, "a", 1, "Image.", max_new_tokens=8),
+                request(deep_parts, "b", None, "Text b.", max_new_tokens=10, temperature=0.8, seed=1),
+                request(deep_parts, "c", 2, "Image c.", max_new_tokens=9, temperature=0.8, seed=2)]
+
+    asked = 0
+
+    def cut_after(calls: int):
+        def pause() -> bool:
+            nonlocal asked
+            asked += 1
+            return asked > calls
+        return pause
+
+    reference = run(new_engine(deep_parts), {0: requests_()})
+    engine = new_engine(deep_parts)
     for req in requests_():
         engine.add(req)
     assert engine.step(pause=lambda: True) == [] and len(engine.waiting) == 3  # nothing ran
     tokens: dict[str, list[int]] = {}
-    passes = 0
+    cuts = itertools.cycle(range(1, 12))  # 3 layers a pass: every layer of every request's pass
     while not engine.idle:
-        budget = passes % 3 + 1  # cut after 1, 2 or 3 passes
-        outputs = engine.step(pause=cut_after(budget))
-        assert len(outputs) <= budget
+        asked = 0
+        outputs = engine.step(pause=cut_after(next(cuts)))
         for out in outputs:
             tokens.setdefault(out.rid, []).append(out.token)
-        passes += 1
+        for req in engine.running.values():  # a dropped pass left nothing in the cache
+            assert req.seq.length == req.seq_tokens
+        assert engine.kv_used == sum(r.kv_tokens for r in engine.running.values())
     assert tokens == reference

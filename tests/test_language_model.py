@@ -6,7 +6,9 @@ the pixels."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -62,6 +64,19 @@ def test_the_language_side_reads_no_vision_tensor_and_keeps_the_checkpoint_dtype
     assert names and not any("visual" in name for name in names)
     assert {p.dtype for p in lm.model.parameters()} == {torch.bfloat16} and lm.lm_head.weight.dtype == torch.bfloat16
     assert lm.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_a_checkpoint_with_sliding_window_layers_is_refused(folder, tmp_path) -> None:
+    """Its cache keeps more than keys and values: sleep's KV and interrupted passes would not be exact."""
+    config = json.loads(Path(folder, "config.json").read_text())
+    config["text_config"] |= {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}
+    del config["text_config"]["layer_types"]  # as in Qwen's own configs: derived from the three above
+    for item in Path(folder).iterdir():
+        (tmp_path / item.name).symlink_to(item)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"\['sliding_attention'\] \(use_sliding_window\) are not supported"):
+        LanguageModel(tmp_path)
 
 
 def test_an_embedding_of_the_wrong_size_is_refused(sides) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import functools
 import http.server
+import json
 import os
 import signal
 import threading
@@ -209,7 +210,7 @@ def test_three_encoders_two_language_workers_32_chats_one_encoder_killed_halfway
                                "--image-embedding-cache-bytes", "0", "--encoder-urls", *urls) for _ in range(2)]
         kinds = [[images["small"]], [images["square"], images["wide"]], [images["wide"], images["small"],
                                                                           images["square"]], []]
-        chats = [(f"Chat {i}?", kinds[i % 4], 4 + i % 5) for i in range(32)]
+        chats = [(f"Chat {i}?", kinds[i % 4], 4 + i % 5) for i in range(8)] * 4  # 8 kinds of chat, 4 of each
 
         def ask(i: int) -> str:
             text, paths, max_tokens = chats[i]
@@ -217,8 +218,8 @@ def test_three_encoders_two_language_workers_32_chats_one_encoder_killed_halfway
                 model="qwen", messages=chat_messages(text, paths), max_tokens=max_tokens,
                 temperature=0).choices[0].message.content
 
-        with ThreadPoolExecutor(8) as pool:
-            alone = list(pool.map(ask, range(32)))
+        with ThreadPoolExecutor(8) as pool:  # each kind once, without the kill
+            alone = list(pool.map(ask, range(8))) * 4
         with ThreadPoolExecutor(32) as pool:
             running = []
             for i in range(32):  # arriving over three seconds; the kill lands halfway, parts in flight
@@ -267,3 +268,51 @@ def test_asleep_or_aborted_requests_blame_no_encoder(cluster, tmp_path) -> None:
     assert metric(lang, "epd_encoders_healthy") == 2 and metric(lang, "epd_encoder_parts_total") == sent
     health = wait_idle(lang)
     assert health["free_blocks"] == health["num_blocks"] and health["transferring"] == 0
+
+
+def test_an_encoder_whose_digest_lies_loses_the_part_to_another(cluster, images, folder) -> None:  # noqa: F811
+    """The embedding's digest is checked end to end: an encoder (here a proxy in front of a real
+    one) that reports another digest than what landed has its part sent again to the next
+    encoder, and leaves the rotation; the client sees the right answer."""
+    encoders, lang = cluster
+    real = encoders[0].url
+
+    class Lying(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def _reply(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802
+            answer = requests.get(real + self.path, timeout=10)
+            self._reply(answer.status_code, answer.content)
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            answer = requests.post(real + self.path, data=body, headers={"Content-Type": "application/json"},
+                                   timeout=120)
+            reply = answer.json() | {"sha256": "0" * 64} if answer.status_code == 200 else answer.json()
+            self._reply(answer.status_code, json.dumps(reply).encode())
+
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Lying)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    liar = f"http://127.0.0.1:{proxy.server_address[1]}"
+    other = WorkerProcess("language", "--model-path", folder, "--encoder-urls", liar, encoders[1].url)
+    try:
+        reference = two_request(cluster, "Honest?", [images["small"]], 6)["text"]
+        answer = client(other).chat.completions.create(model="qwen", messages=chat_messages("Honest?", [
+            images["small"]]), max_tokens=6, temperature=0)
+        assert answer.choices[0].message.content == reference
+        assert metric(other, f'epd_encoder_parts_total{{encoder="{liar}",outcome="failed"}}') == 1
+        assert metric(other, f'epd_encoder_parts_total{{encoder="{encoders[1].url}",outcome="ok"}}') == 1
+        assert metric(other, "epd_encoders_healthy") == 1  # the liar is out until its /health answers
+        health = wait_idle(other)
+        assert health["free_blocks"] == health["num_blocks"] and health["transferring"] == 0
+    finally:
+        other.stop()
+        proxy.shutdown()

@@ -231,6 +231,35 @@ def test_pitfall_7_checkpoints_are_json_and_safetensors_nothing_is_pickled(parts
                              r"allow_pickle\s*=\s*True|weights_only\s*=\s*False", text), path
 
 
+def test_the_streamed_safetensors_file_reads_back_with_safetensors_itself(tmp_path) -> None:
+    """The checkpoint writer lays out the safetensors file itself, array by array (no joined
+    copy of a gigabyte of KV): safetensors' own loader reads back every dtype and shape it
+    writes (a transposed view, an empty array, a scalar), and an array it has no dtype for is
+    refused before anything is written."""
+    from safetensors.numpy import load
+
+    from connector import checkpoint as files
+    arrays = {"kv": np.arange(24, dtype=np.int16).reshape(2, 3, 4).transpose(1, 0, 2), "mask": np.array([True, False]),
+              "bytes": np.arange(5, dtype=np.uint8), "empty": np.ones((0, 3), np.float32),
+              "scalar": np.array(7, np.int64), "ids": np.arange(4, dtype=np.int32), "f": np.linspace(0, 1, 3)}
+    size = files.save(tmp_path, "language", {"x": 1}, arrays)
+    blob = (tmp_path / "language.safetensors").read_bytes()
+    assert size == len(blob) + len((tmp_path / "language.json").read_bytes())
+    back = load(blob)
+    assert set(back) == set(arrays)
+    header_size = struct.unpack("<Q", blob[:8])[0]
+    assert header_size % 8 == 0
+    for name, entry in json.loads(blob[8:8 + header_size]).items():  # each array starts aligned
+        assert entry["data_offsets"][0] % arrays[name].dtype.itemsize == 0, name
+    for name, array in arrays.items():
+        assert back[name].dtype == array.dtype and back[name].shape == array.shape and np.array_equal(back[name], array)
+    assert files.load(tmp_path, "language", {"x": 1})[0]["x"] == 1  # the checksum covers what was streamed
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match="no safetensors dtype"):
+        files.save(tmp_path, "language", {}, {"big_endian": np.zeros(2, ">i4")})
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # the good checkpoint is untouched
+
+
 def test_a_tampered_or_mismatched_generation_checkpoint_is_refused_whole(parts, tmp_path) -> None:  # noqa: F811
     """Checksums catch damage; a checkpoint rewritten with a valid checksum is still checked
     field by field, and one of another model is refused before anything is read."""
@@ -246,6 +275,7 @@ def test_a_tampered_or_mismatched_generation_checkpoint_is_refused_whole(parts, 
         (lambda m, t: m["generations"][0].update(delta=2**62), "do not agree"),
         (lambda m, t: m["generations"][0].update(prefill_seconds=float("inf")), "prefill_seconds inf"),
         (lambda m, t: m["generations"][0]["params"].update(max_new_tokens=3), "running with 3 tokens generated"),
+        (lambda m, t: m["model"].update(config_sha256="0" * 64), "model="),  # another checkpoint's config.json
         (lambda m, t: m["model"].update(layers=2), "model="),
         (lambda m, t: m["model"].update(dtype="float32"), "model="),
         (lambda m, t: m.update(block_size=128), "block_size=128"),

@@ -198,26 +198,30 @@ def test_corrupt_truncated_or_mismatched_checkpoints_are_refused_whole(images, t
             sleep_(language)
             language.stop()
         good = {p.name: p.read_bytes() for p in ckpt.iterdir()}
-        cases = [
-            ("language.safetensors", lambda b: b[:-1] + bytes([b[-1] ^ 1]), (), "corrupt or truncated"),
-            ("language.json", lambda b: b[: len(b) // 2], (), "corrupt or truncated"),
-            ("language.sha256", None, (), "language.sha256 is missing"),
-            (None, None, ("--hidden-size", "1024"), "hidden_size=3584; this worker has hidden_size=1024"),
-        ]
-        for name, damage, args, words in cases:
-            for fname, data in good.items():
-                (ckpt / fname).write_bytes(data)
-            if name and damage:
-                (ckpt / name).write_bytes(damage(good[name]))
-            elif name:
-                (ckpt / name).unlink()
-            language = WorkerProcess("language", "--checkpoint-dir", str(ckpt), *args)
+
+        def refused(words: str) -> None:
             resp = wake(language)
             assert resp.status_code == 422 and words in resp.json()["error"], resp.text
             health = requests.get(f"{language.url}/health", timeout=10).json()
             assert health["state"] == "asleep" and health["transferring"] == 0 and health["queued"] == 0
-            language.stop()
+
+        language = WorkerProcess("language", "--checkpoint-dir", str(ckpt), "--hidden-size", "1024")
+        refused("hidden_size=3584; this worker has hidden_size=1024")
+        language.stop()
+        # one worker booted asleep on the folder: each wake-up reads the folder again, so a
+        # refused one can be retried once the files are put right (here: damaged otherwise)
         language = WorkerProcess("language", "--checkpoint-dir", str(ckpt))
+        for name, damage, words in [
+                ("language.safetensors", lambda b: b[:-1] + bytes([b[-1] ^ 1]), "corrupt or truncated"),
+                ("language.json", lambda b: b[: len(b) // 2], "corrupt or truncated"),
+                ("language.sha256", None, "language.sha256 is missing")]:
+            for fname, data in good.items():
+                (ckpt / fname).write_bytes(data)
+            if damage:
+                (ckpt / name).write_bytes(damage(good[name]))
+            else:
+                (ckpt / name).unlink()
+            refused(words)
         assert wake(language, discard_checkpoint="true").json()["restored_requests"] == 0
         assert not any(ckpt.iterdir())
     finally:
