@@ -23,12 +23,20 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from language_side.model import LanguageModel, PassInterrupted, Sequence
 from language_side.prompt import Prompt
+
+if TYPE_CHECKING:  # the model's module imports transformers: a transfer-only worker never does
+    from language_side.model import LanguageModel, Sequence
+
+
+class PassInterrupted(Exception):
+    """The model stopped a forward pass between two layers because the engine asked it to;
+    nothing the pass computed was kept."""
 
 
 class Phase(enum.Enum):

@@ -10,7 +10,8 @@ nothing is shared between requests on the model (transformers' ``rope_deltas`` i
 
 A pass can be interrupted between two decoder layers (a sleep does not wait for a long prefill
 or a deep model's whole pass): ``interrupt()`` is asked before each layer and, once it is
-true, the pass raises :class:`PassInterrupted` with the sequence as it was before the pass.
+true, the pass raises the engine's :class:`PassInterrupted` with the sequence as it was before
+the pass.
 """
 
 from __future__ import annotations
@@ -28,13 +29,10 @@ from safetensors import safe_open
 from transformers import DynamicCache, Qwen2_5_VLConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding, Qwen2_5_VLTextModel
 
+from language_side.engine import PassInterrupted
 from language_side.prompt import Prompt
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class PassInterrupted(Exception):
-    """A forward pass stopped between two layers; nothing it computed was kept."""
 
 
 @dataclass

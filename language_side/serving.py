@@ -18,14 +18,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from connector.failures import FailureKind, TransferFailure
 from language_side.engine import Engine, GenRequest, Phase, SamplingParams, StepOutput
-from language_side.model import LanguageModel
 from language_side.prompt import Prompt
+
+if TYPE_CHECKING:
+    from language_side.model import LanguageModel
 
 log = logging.getLogger(__name__)
 

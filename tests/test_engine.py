@@ -14,8 +14,8 @@ from transfer_large_image import make_image
 from transformers import AutoTokenizer
 
 from embedding_side.encoders import QwenVisionEncoder
-from language_side.engine import Engine, GenRequest, Phase, SamplingParams, sample
-from language_side.model import LanguageModel, PassInterrupted, greedy
+from language_side.engine import Engine, GenRequest, PassInterrupted, Phase, SamplingParams, sample
+from language_side.model import LanguageModel, greedy
 from language_side.prompt import IMAGE_PLACEHOLDER as P
 from language_side.prompt import build_prompt
 
