@@ -43,6 +43,7 @@ from connector.buffers import BufferPool, Embedding  # noqa: E402
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.mooncake_transport import MooncakeTransport  # noqa: E402
 from connector.sender import EmbeddingSender, EmbeddingSenderManager  # noqa: E402
+from connector.transport import Transport  # noqa: E402
 
 
 def synthetic_embedding(tokens: int, hidden: int, dtype: str, seed: int) -> Embedding:
@@ -86,6 +87,73 @@ def serve_socket_baseline(host: str, payload: np.ndarray, send_started: list[flo
     return server.getsockname()[1]
 
 
+class PeerService:
+    """The encode side of a peer (pool, sender manager, bootstrap server) and the control
+    operations listed above; ``handle`` answers one request. The process below serves it over
+    ZMQ; the fast test tier drives one in-process over :class:`MemoryTransport`."""
+
+    def __init__(self, config: ConnectorConfig, transport: Transport, bootstrap_port: int = 0) -> None:
+        self.config, self.transport = config, transport
+        self.pool: BufferPool | None = BufferPool(config.num_blocks, config.block_size, config.hidden_size,
+                                                  config.dtype)
+        self.allocator: BlockAllocator | None = BlockAllocator(config.num_blocks)
+        self.manager = EmbeddingSenderManager(config, transport, self.pool, self.allocator)
+        self.sleeping = threading.Event()
+        self.bootstrap = BootstrapServer(config.host, bootstrap_port, secret=config.secret,
+                                         health_status=lambda: "SLEEPING" if self.sleeping.is_set() else "OK")
+        self.bootstrap.put_route(1, 1, config.host, self.manager.rank_port, 0)
+        self.socket_send_started = [0.0]  # set by the socket baseline, when the process serves one
+        self.senders: dict[int, EmbeddingSender] = {}
+
+    def handle(self, req: dict) -> dict:
+        """The reply to one control request; an error is reported, never raised."""
+        op = req.get("op")
+        try:
+            return self._handle(op, req)
+        except Exception as exc:  # report to the driver instead of dying
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _handle(self, op: object, req: dict) -> dict:
+        config, manager = self.config, self.manager
+        if op == "stage":
+            emb, digests = staged_embedding(int(req["tokens"]), config.hidden_size, config.dtype, int(req["seed"]))
+            sender = manager.create_sender(int(req["room"]))
+            sender.send(emb)
+            self.senders[sender.room] = sender
+            return {"digests": digests, "in_pool": sender.wait_in_pool(5.0)}
+        if op == "status":
+            sender = self.senders[int(req["room"])]
+            status = sender.poll()
+            return {"status": status.name, "reason": sender.failure_reason, "first_write_at": sender.first_write_at}
+        if op == "raw_write":  # the bare transfer-engine write under the connector, for the benchmark
+            started = time.monotonic()
+            self.transport.write(str(req["session"]), [self.pool.embeddings.ctypes.data], [int(req["dst"])],
+                                 [int(req["nbytes"])])
+            return {"started_at": started, "ended_at": time.monotonic()}
+        if op == "stats":
+            return {"free_blocks": self.allocator.free_blocks, "num_blocks": self.allocator.num_blocks,
+                    "active_rooms": manager.active_rooms(), "counters": dict(manager.stats),
+                    "rejected": manager.rejections.snapshot(), "socket_send_started_at": self.socket_send_started[0]}
+        if op == "sleep":
+            manager.pause()
+            kept = manager.detach_pool()
+            self.pool = self.allocator = None  # released: memory the peer no longer holds
+            self.sleeping.set()
+            return {"kept_bytes": kept}
+        if op == "wake":
+            self.pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
+            self.allocator = BlockAllocator(config.num_blocks)
+            manager.attach_pool(self.pool, self.allocator)
+            self.sleeping.clear()
+            return {"ok": True}
+        return {"error": f"unknown op {op!r}"}
+
+    def close(self) -> None:
+        self.manager.close()
+        self.bootstrap.close()
+        self.transport.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
@@ -104,72 +172,22 @@ def main() -> None:
                              hidden_size=args.hidden_size, resume_timeout=args.resume_timeout,
                              bootstrap_timeout=args.bootstrap_timeout, completion=args.completion,
                              control_secret=args.control_secret)
-    pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
-    allocator = BlockAllocator(config.num_blocks)
-    transport = MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion)
-    manager = EmbeddingSenderManager(config, transport, pool, allocator)
-    sleeping = threading.Event()
-    bootstrap = BootstrapServer(args.host, args.bootstrap_port,
-                                health_status=lambda: "SLEEPING" if sleeping.is_set() else "OK", secret=config.secret)
-    bootstrap.put_route(1, 1, args.host, manager.rank_port, 0)
-    socket_send_started = [0.0]
-    socket_port = serve_socket_baseline(args.host, pool.embeddings, socket_send_started)
+    service = PeerService(config, MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion),
+                          args.bootstrap_port)
+    socket_port = serve_socket_baseline(args.host, service.pool.embeddings, service.socket_send_started)
 
     ctx = zmq.Context()
     rep = ctx.socket(zmq.REP)
     control_port = rep.bind_to_random_port(f"tcp://{args.host}")
-    senders: dict[int, EmbeddingSender] = {}
-    print("READY " + json.dumps({"bootstrap_port": bootstrap.port, "control_port": control_port,
-                                 "socket_port": socket_port, "rank_port": manager.rank_port}), flush=True)
-
+    print("READY " + json.dumps({"bootstrap_port": service.bootstrap.port, "control_port": control_port,
+                                 "socket_port": socket_port, "rank_port": service.manager.rank_port}), flush=True)
     while True:
         req = json.loads(rep.recv())
-        op = req.get("op")
-        try:
-            if op == "stage":
-                emb, digests = staged_embedding(int(req["tokens"]), config.hidden_size, config.dtype, int(req["seed"]))
-                sender = manager.create_sender(int(req["room"]))
-                sender.send(emb)
-                senders[sender.room] = sender
-                reply = {"digests": digests, "in_pool": sender.wait_in_pool(5.0)}
-            elif op == "status":
-                sender = senders[int(req["room"])]
-                status = sender.poll()
-                reply = {"status": status.name, "reason": sender.failure_reason,
-                         "first_write_at": sender.first_write_at}
-            elif op == "raw_write":  # the bare Mooncake write under the connector, for the benchmark
-                started = time.monotonic()
-                transport.write(str(req["session"]), [pool.embeddings.ctypes.data], [int(req["dst"])],
-                                [int(req["nbytes"])])
-                reply = {"started_at": started, "ended_at": time.monotonic()}
-            elif op == "stats":
-                reply = {"free_blocks": allocator.free_blocks, "num_blocks": allocator.num_blocks,
-                         "active_rooms": manager.active_rooms(), "counters": dict(manager.stats),
-                         "rejected": manager.rejections.snapshot(),
-                         "socket_send_started_at": socket_send_started[0]}
-            elif op == "sleep":
-                manager.pause()
-                kept = manager.detach_pool()
-                pool = allocator = None
-                sleeping.set()
-                reply = {"kept_bytes": kept}
-            elif op == "wake":
-                pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
-                allocator = BlockAllocator(config.num_blocks)
-                manager.attach_pool(pool, allocator)
-                sleeping.clear()
-                reply = {"ok": True}
-            elif op == "shutdown":
-                rep.send(json.dumps({"ok": True}).encode())
-                break
-            else:
-                reply = {"error": f"unknown op {op!r}"}
-        except Exception as exc:  # report to the driver instead of dying
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        rep.send(json.dumps(reply).encode())
-    manager.close()
-    bootstrap.close()
-    transport.close()
+        if req.get("op") == "shutdown":
+            rep.send(json.dumps({"ok": True}).encode())
+            break
+        rep.send(json.dumps(service.handle(req)).encode())
+    service.close()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Start ``connector_peer.py`` as a child process and talk to its control socket."""
+"""Encode peers for the connector tests and benchmarks: ``connector_peer.py`` as a child process
+talked to over its control socket (real Mooncake), or the same service in this process over
+the in-memory transport (the fast test tier); both answer the same ``call``."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import threading
 from pathlib import Path
 
 import zmq
+from connector_peer import PeerService
 
 from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool
 from connector.config import ConnectorConfig
+from connector.memory_transport import MemoryTransport
 from connector.mooncake_transport import MooncakeTransport
 from connector.receiver import EmbeddingReceiverManager
 
@@ -48,6 +52,10 @@ class EncodePeer:
             raise RuntimeError(f"encode peer failed to start: {line!r}")
         return line
 
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def call(self, op: str, **fields: object) -> dict:
         with self._lock:
             self._sock.send(json.dumps({"op": op, **fields}).encode())
@@ -66,6 +74,33 @@ class EncodePeer:
                 self.proc.wait()
         self._sock.close()
         self._ctx.term()
+
+
+class InProcessPeer:
+    """The encode peer's service in this process, writing over :class:`MemoryTransport`: the
+    same control operations as :class:`EncodePeer`, each request and reply going through JSON
+    as they would over the socket."""
+
+    def __init__(self, config: ConnectorConfig, link_bytes_per_s: float | None = None) -> None:
+        self.service = PeerService(config, MemoryTransport(config.host, link_bytes_per_s))
+        self.info = {"bootstrap_port": self.service.bootstrap.port, "rank_port": self.service.manager.rank_port}
+        self.bootstrap_addr = f"127.0.0.1:{self.info['bootstrap_port']}"
+        self._closed = False
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed
+
+    def call(self, op: str, **fields: object) -> dict:
+        reply = json.loads(json.dumps(self.service.handle(json.loads(json.dumps({"op": op, **fields})))))
+        if "error" in reply:
+            raise RuntimeError(f"encode peer: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.service.close()
 
 
 def receiving_side(config: ConnectorConfig) -> EmbeddingReceiverManager:

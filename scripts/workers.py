@@ -1,18 +1,25 @@
-"""Start encode/language workers as subprocesses (``python -m sglang_ext.launch_server``)."""
+"""Start encode/language workers as subprocesses (``python -m sglang_ext.launch_server``), or
+serve one in this process (the fast test tier)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from aiohttp.test_utils import TestServer
+
 ROOT = Path(__file__).resolve().parent.parent
+LIVE: set[WorkerProcess] = set()  # started and not yet seen to exit, for dump_live_workers
 
 
 def free_port() -> int:
@@ -43,6 +50,7 @@ class WorkerProcess:
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix=f"{mode}-worker-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log_file, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "MC_LOG_LEVEL": "ERROR", **(env or {})})
+        LIVE.add(self)
         self._wait_ready(timeout)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -69,7 +77,20 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        LIVE.discard(self)
         return self.proc.returncode
+
+
+def dump_live_workers(lines: int = 60, settle_s: float = 0.5) -> str:
+    """Each live worker's thread stacks (it dumps them into its log on SIGUSR1) and its log's
+    last ``lines`` lines: where a worker stands when a request to it got no answer."""
+    # Only those past READY: the handler is in place then (SIGUSR1 would end one still starting).
+    alive = [w for w in list(LIVE) if hasattr(w, "ready_line") and w.proc.poll() is None]
+    for worker in alive:
+        os.kill(worker.proc.pid, signal.SIGUSR1)
+    time.sleep(settle_s if alive else 0)
+    return "\n".join(f"--- {w.mode} worker pid {w.proc.pid} ({w.log_file.name}), last {lines} lines ---\n"
+                     + "".join(w.log[-lines:]) for w in alive)
 
 
 @contextmanager
@@ -91,3 +112,38 @@ def model_workers(folder: str, *language_args: str, both: tuple[str, ...] = (), 
         codes = lang.stop(), encode.stop()
     if codes != (0, 0):
         raise RuntimeError(f"workers exited with {codes}:\n" + "".join(lang.log[-20:] + encode.log[-20:]))
+
+
+class InProcessWorker:
+    """A worker built by the launcher from the same flags, its app served in this process by
+    aiohttp's test server on a thread of its own: the fast tier's way to reach the real HTTP
+    handlers. ``url`` is its address; the worker's Mooncake engine, pools and threads are the
+    real ones."""
+
+    def __init__(self, mode: str, *extra: str, bootstrap_port: int | None = None) -> None:
+        from sglang_ext.launch_server import build, parse
+
+        self.mode = mode
+        args = ["--disaggregation-mode", mode, "--host", "127.0.0.1", *extra]
+        if mode == "encode":
+            self.bootstrap_port = bootstrap_port or free_port()
+            args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port),
+                     "--allowed-local-media-path", tempfile.gettempdir(), "--allow-private-media-urls"]
+        self.built = build(parse(args))
+        self._loop = asyncio.new_event_loop()
+        self._server = TestServer(self.built.app, host="127.0.0.1", handler_cancellation=True)
+        threading.Thread(target=self._loop.run_forever, name=f"in-process-{mode}-worker", daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._server.start_server(), self._loop).result(30)
+        self.url = f"http://127.0.0.1:{self._server.port}"
+
+    def stop(self) -> int:
+        """Stop as the process does on SIGINT; 0 once everything is released."""
+        if self._loop.is_closed():
+            return 0
+        worker = self.built.worker
+        worker.stop()
+        asyncio.run_coroutine_threadsafe(self._server.close(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        worker.close()
+        self._loop.close()
+        return 0

@@ -6,20 +6,40 @@ Works without SGLang installed; the SGLang plugin calls :func:`run` with the fla
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sglang_ext.args import DEFAULT_KV_TOKENS, add_worker_args, connector_config, resolve_mode
 
+if TYPE_CHECKING:
+    from aiohttp import web
 
-def run(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from connector.config import ConnectorConfig
+    from embedding_side.worker import EncodeWorker
+    from language_side.worker import LanguageWorker
+
+
+@dataclass
+class Built:
+    """A worker and its HTTP app, not yet serving; ``describe`` is the READY line's tail."""
+
+    worker: EncodeWorker | LanguageWorker
+    app: web.Application
+    config: ConnectorConfig
+    describe: str
+
+
+def build(args: argparse.Namespace) -> Built:
+    """The worker ``args`` ask for and its app: what :func:`run` serves, and what the fast test
+    tier serves in-process."""
     try:
         config = connector_config(args)
     except ValueError as exc:
         raise SystemExit(f"invalid configuration: {exc}") from None
-    from connector.http_util import serve
-
     if args.disaggregation_mode == "encode":
         from embedding_side.encoders import FakeEncoder, QwenVisionEncoder
         from embedding_side.http_api import build_app
@@ -36,43 +56,55 @@ def run(args: argparse.Namespace) -> None:
                               args.checkpoint_dir)
         extra = (f" bootstrap=http://{config.host}:{worker.bootstrap.port} "
                  f"zmq=tcp://{config.host}:{worker.sender.rank_port} encoder={encoder.name}")
-        app = build_app(worker)
-    else:
-        from language_side.consumers import EmbeddingCopy
-        from language_side.http_api import build_app
-        from language_side.worker import LanguageWorker
+        return Built(worker, build_app(worker), config, extra)
 
-        service = _generation_service(args, config)
-        worker = LanguageWorker(config, checkpoint_dir=args.checkpoint_dir, queue_while_sleeping=args.queue_while_sleeping,
-                                consumer=EmbeddingCopy() if service else None, generations=service)
-        extra = f" zmq=tcp://{config.host}:{worker.receivers.rank_port}"
-        if service is not None:
-            model = service.model
-            extra += (f" model={args.model_path} ({model.dtype}, {args.device or 'cpu'}) kv_budget="
-                      f"{service.engine.kv_budget} tokens ({service.engine.kv_budget * model.kv_bytes_per_token / 2**20:.0f}"
-                      f" MiB)")
-        dispatch = None
-        if args.encoder_urls:
-            from language_side.dispatch import EncoderDispatch
-            from language_side.embedding_cache import EmbeddingCache
+    from language_side.consumers import EmbeddingCopy
+    from language_side.http_api import build_app
+    from language_side.worker import LanguageWorker
 
-            if service is None:
-                raise SystemExit("--encoder-urls needs the language model (--model-path): a transfer-only worker "
-                                 "has no prompt to put images in")
-            try:
-                dispatch = EncoderDispatch(args.encoder_urls, worker, EmbeddingCache(args.image_embedding_cache_bytes))
-            except ValueError as exc:
-                raise SystemExit(f"error: {exc}") from None
-            extra += f" encoders={','.join(args.encoder_urls)}"
-        app = build_app(worker, service, dispatch, args.model_path or "")
+    service = _generation_service(args, config)
+    worker = LanguageWorker(config, checkpoint_dir=args.checkpoint_dir, queue_while_sleeping=args.queue_while_sleeping,
+                            consumer=EmbeddingCopy() if service else None, generations=service)
+    extra = f" zmq=tcp://{config.host}:{worker.receivers.rank_port}"
+    if service is not None:
+        model = service.model
+        extra += (f" model={args.model_path} ({model.dtype}, {args.device or 'cpu'}) kv_budget="
+                  f"{service.engine.kv_budget} tokens ({service.engine.kv_budget * model.kv_bytes_per_token / 2**20:.0f}"
+                  f" MiB)")
+    dispatch = None
+    if args.encoder_urls:
+        from language_side.dispatch import EncoderDispatch
+        from language_side.embedding_cache import EmbeddingCache
+
+        if service is None:
+            worker.close()
+            raise SystemExit("--encoder-urls needs the language model (--model-path): a transfer-only worker "
+                             "has no prompt to put images in")
+        try:
+            dispatch = EncoderDispatch(args.encoder_urls, worker, EmbeddingCache(args.image_embedding_cache_bytes))
+        except ValueError as exc:
+            worker.close()
+            raise SystemExit(f"error: {exc}") from None
+        extra += f" encoders={','.join(args.encoder_urls)}"
+    return Built(worker, build_app(worker, service, dispatch, args.model_path or ""), config, extra)
+
+
+def run(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # `kill -USR1 <pid>` writes every thread's stack to the log: where a stuck worker stands.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    from connector.http_util import serve
+
+    built = build(args)
+    worker, config = built.worker, built.config
 
     def banner(port: int) -> None:
         state = " (asleep: a checkpoint waits for /wake_up)" if worker.is_sleeping() else ""
-        print(f"READY {args.disaggregation_mode} worker http=http://{config.host}:{port}{extra} "
+        print(f"READY {args.disaggregation_mode} worker http=http://{config.host}:{port}{built.describe} "
               f"mooncake={worker.transport.session_id} pool={config.num_blocks}x{config.block_size} tokens "
               f"({config.pool_bytes / 2**20:.0f} MiB){state}", flush=True)
 
-    serve(app, config.host, args.port, banner, worker.stop, worker.close)
+    serve(built.app, config.host, args.port, banner, worker.stop, worker.close)
     print(f"{args.disaggregation_mode} worker stopped", flush=True)
 
 
@@ -98,12 +130,16 @@ def _generation_service(args: argparse.Namespace, config):
                              args.sleep_kv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m sglang_ext.launch_server", description=__doc__.splitlines()[0])
     add_worker_args(parser)
     args = parser.parse_args(argv)
     args.disaggregation_mode = resolve_mode(args)
-    run(args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse(argv))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,22 @@
-"""Shared fixtures: a real encode-side connector process and a real language-side manager."""
+"""Shared fixtures: encode-side connector peers and language-side managers, and the test tiers.
+
+A connector test runs over real Mooncake with the encode peer in its own process; a module
+marked ``transports("mooncake", "memory")`` runs each of its tests a second time with both
+sides in this process over :class:`MemoryTransport` (same interface, same failure behaviour),
+and that copy belongs to the fast tier. ``fast`` tests stay in this process: starting a
+subprocess from one fails it."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,14 +26,140 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import zmq  # noqa: E402
-from peer_control import EncodePeer  # noqa: E402
+from make_checkpoint import write_checkpoint  # noqa: E402
+from peer_control import EncodePeer, InProcessPeer  # noqa: E402
+from request_watchdog import RequestWatchdog  # noqa: E402
+from workers import dump_live_workers  # noqa: E402
 
 from connector.allocator import BlockAllocator  # noqa: E402
 from connector.buffers import BufferPool  # noqa: E402
 from connector.config import ConnectorConfig  # noqa: E402
+from connector.memory_transport import MemoryTransport  # noqa: E402
 from connector.messages import LanguageBound, PingMsg, PongMsg, RegisterMsg, decode_language_bound  # noqa: E402
 from connector.mooncake_transport import MooncakeTransport  # noqa: E402
 from connector.receiver import EmbeddingReceiverManager  # noqa: E402
+
+CONNECTOR_KINDS = ("mooncake", "memory")
+WATCHDOG = RequestWatchdog(dump_live_workers)
+# Tests that time what they watch (a failure within a heartbeat window, an answer within a few
+# seconds) run alone under pytest-xdist: nothing else loads the two cores meanwhile.
+SERIAL_MARKERS = ("serial", "faults", "load", "soak")
+
+
+class SerialLock:
+    """A lock the xdist workers share through files: ``serial`` tests take it exclusively, every
+    other test shares it. A serial test that waits holds the gate, so no new test starts before
+    it (it is not starved by a stream of shared holders)."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self._gate, self._main = folder / "gate.lock", folder / "main.lock"
+
+    @contextmanager
+    def hold(self, exclusive: bool) -> Iterator[None]:
+        with open(self._gate, "a") as gate, open(self._main, "a") as main:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(main, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            finally:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+            try:
+                yield
+            finally:
+                fcntl.flock(main, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under xdist, a serial test runs alone. Outermost, so the wait is not counted against the
+    test's own timeout."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    exclusive = any(item.get_closest_marker(name) for name in SERIAL_MARKERS)
+    with SerialLock(Path(tempfile.gettempdir()) / f"epd-tests-{run}").hold(exclusive):
+        yield
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    WATCHDOG.install()
+
+
+@pytest.fixture(autouse=True)
+def every_request_answered(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails a test in which a client request got no answer within its deadline (see
+    request_watchdog.py), naming each such request."""
+    WATCHDOG.begin_test(request.node.nodeid, request.node.get_closest_marker("unanswered_ok") is not None)
+    yield
+    unanswered = WATCHDOG.end_test(request.node.nodeid)
+    assert not unanswered, "client requests got no answer within their deadline:\n" + "\n".join(unanswered)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Tests under a ``transports`` marker run once per transport it names."""
+    marker = metafunc.definition.get_closest_marker("transports")
+    if marker is not None and "connector_kind" in metafunc.fixturenames:
+        unknown = set(marker.args) - set(CONNECTOR_KINDS)
+        assert marker.args and not unknown, f"transports({marker.args}): each must be one of {CONNECTOR_KINDS}"
+        metafunc.parametrize("connector_kind", marker.args)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("connector_kind") == "memory":
+            item.add_marker(pytest.mark.fast)
+
+
+@pytest.fixture
+def connector_kind(request: pytest.FixtureRequest) -> str:
+    """Which transport the connector fixtures use: real Mooncake with a peer process unless the
+    test is parametrized over ``transports``."""
+    return getattr(request, "param", "mooncake")
+
+
+@pytest.fixture(autouse=True)
+def fast_tests_stay_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("fast") is None:
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a fast-tier test started a process: {args[1] if len(args) > 1 else kwargs}")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
+# The in-memory link runs at about what Mooncake's TCP reaches on loopback here, so what
+# overlaps with a write over Mooncake overlaps with it in memory too.
+MEMORY_LINK_BYTES_PER_S = 2e9
+
+
+@pytest.fixture(scope="session")
+def seeded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """``seeded_checkpoint(hidden_size, layers=1)``: the seeded Qwen2.5-VL folder of that shape,
+    written once per test session (once for all xdist workers, which share the parent of their
+    temp folders). Tests only read it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+
+    def folder(hidden_size: int = 3584, layers: int = 1) -> str:
+        path = root / f"seeded-{hidden_size}x{layers}"
+        with open(root / f"{path.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be writing it
+            if not (path / "config.json").exists():
+                partial = root / f"{path.name}.partial"
+                shutil.rmtree(partial, ignore_errors=True)
+                write_checkpoint(partial, hidden_size, layers=layers)
+                partial.rename(path)
+        return str(path)
+
+    return folder
+
+
+def make_transport(kind: str, host: str = "127.0.0.1") -> MooncakeTransport | MemoryTransport:
+    return MemoryTransport(host, MEMORY_LINK_BYTES_PER_S) if kind == "memory" else MooncakeTransport(host)
 
 
 @dataclass
@@ -39,20 +177,30 @@ def _peer_args(num_blocks: int, block_size: int, hidden_size: int, **extra: obje
     return args
 
 
-@pytest.fixture
-def make_peer() -> Iterator[Callable[..., EncodePeer]]:
-    """Start encode peers; on teardown each live one must have every source block free."""
-    peers: list[EncodePeer] = []
+# What connector_peer.py's flags default to, for a peer started in this process.
+PEER_DEFAULTS = {"resume_timeout": 60.0, "bootstrap_timeout": 60.0}
 
-    def start(num_blocks: int = 320, block_size: int = 128, hidden_size: int = 3584, **extra: object) -> EncodePeer:
-        peer = EncodePeer(*_peer_args(num_blocks, block_size, hidden_size, **extra))
+
+@pytest.fixture
+def make_peer(connector_kind: str) -> Iterator[Callable[..., EncodePeer | InProcessPeer]]:
+    """Start encode peers; on teardown each live one must have every source block free."""
+    peers: list[EncodePeer | InProcessPeer] = []
+
+    def start(num_blocks: int = 320, block_size: int = 128, hidden_size: int = 3584,
+              **extra: object) -> EncodePeer | InProcessPeer:
+        if connector_kind == "memory":
+            peer = InProcessPeer(ConnectorConfig(num_blocks=num_blocks, block_size=block_size, hidden_size=hidden_size,
+                                                 **{**PEER_DEFAULTS, **extra}),  # type: ignore[arg-type]
+                                 MEMORY_LINK_BYTES_PER_S)
+        else:
+            peer = EncodePeer(*_peer_args(num_blocks, block_size, hidden_size, **extra))
         peers.append(peer)
         return peer
 
     yield start
     leaks = []
     for peer in peers:
-        if peer.proc.poll() is None:
+        if peer.alive:
             stats = wait_peer_idle(peer)
             if stats["free_blocks"] != stats["num_blocks"]:
                 leaks.append(stats)
@@ -61,15 +209,15 @@ def make_peer() -> Iterator[Callable[..., EncodePeer]]:
 
 
 @pytest.fixture
-def make_language() -> Iterator[Callable[..., Language]]:
+def make_language(connector_kind: str) -> Iterator[Callable[..., Language]]:
     """Language-side managers; on teardown every block must be back in each pool."""
-    made: list[tuple[Language, MooncakeTransport]] = []
+    made: list[tuple[Language, MooncakeTransport | MemoryTransport]] = []
 
     def start(**overrides: object) -> Language:
         config = ConnectorConfig(**{"num_blocks": 256, **overrides})  # type: ignore[arg-type]
         pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
         allocator = BlockAllocator(config.num_blocks)
-        transport = MooncakeTransport(config.host)
+        transport = make_transport(connector_kind, config.host)
         manager = EmbeddingReceiverManager(config, transport, pool, allocator)
         lang = Language(manager, allocator, pool, config)
         made.append((lang, transport))
@@ -86,7 +234,7 @@ def make_language() -> Iterator[Callable[..., Language]]:
             transport.close()
 
 
-def wait_peer_idle(peer: EncodePeer, timeout: float = 10.0) -> dict:
+def wait_peer_idle(peer: EncodePeer | InProcessPeer, timeout: float = 10.0) -> dict:
     """Peer stats once its rooms have all ended (frees can trail the last status by a moment)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -163,9 +311,9 @@ def raw_language() -> Iterator[RawLanguage]:
 
 
 @pytest.fixture
-def raw_pool():
-    """A registered destination pool with its Mooncake engine, for tests that speak raw ZMQ."""
-    transport = MooncakeTransport()
+def raw_pool(connector_kind: str):
+    """A registered destination pool with its transfer engine, for tests that speak raw ZMQ."""
+    transport = make_transport(connector_kind)
     pool = BufferPool(300, 128, 3584)
     transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
     yield transport, pool

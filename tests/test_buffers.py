@@ -10,6 +10,8 @@ from connector.addressing import plan_round
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
 
+pytestmark = pytest.mark.fast
+
 
 def test_item_lengths_match_the_forks_table() -> None:
     assert BufferPool(2, 1024, 3584).item_lens == (7_340_032, 4_096, 12_288, 64)

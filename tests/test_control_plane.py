@@ -20,6 +20,8 @@ from connector.receiver import receive_embedding
 from connector.rejections import Rejections
 from connector.zmq_link import MAX_SOCKETS, PushSockets
 
+pytestmark = pytest.mark.transports("mooncake", "memory")
+
 SECRET = "a-test-secret-of-enough-length"
 
 
@@ -127,6 +129,7 @@ def test_with_a_shared_secret_only_messages_and_lookups_that_prove_it_act(make_p
     emb.release()
 
 
+@pytest.mark.fast
 def test_rejections_are_counted_by_reason_and_logged_at_most_burst_per_window(caplog) -> None:
     rejections = Rejections(logging.getLogger("test-rejections"), window=0.2, burst=3)
     with caplog.at_level(logging.WARNING, "test-rejections"):
@@ -183,6 +186,7 @@ def test_a_fork_peer_gets_only_fork_frames_even_when_a_stranger_registers_its_ad
     wait_for(lambda: rejected(peer).get("register_conflict") == 1, 5, "the replayed older register to be refused")
 
 
+@pytest.mark.fast
 def test_the_mac_check_refuses_what_it_cannot_verify_without_raising() -> None:
     secret = SECRET.encode()
     frames = [b"1", b"2"]
@@ -198,6 +202,7 @@ def test_the_mac_check_refuses_what_it_cannot_verify_without_raising() -> None:
             pytest.fail(f"{what}: accepted")
 
 
+@pytest.mark.fast
 def test_push_sockets_stay_under_the_zmq_limit_whatever_addresses_messages_name() -> None:
     ctx = zmq.Context()
     push = PushSockets(ctx)

@@ -7,6 +7,7 @@ import ctypes
 import threading
 import time
 
+import pytest
 from connector_peer import synthetic_embedding
 from test_transfer import transfer
 
@@ -17,6 +18,8 @@ from connector.messages import InitMsg, ResumeMsg, StatusMsg
 from connector.poll import KVPoll
 from connector.sender import EmbeddingSenderManager
 from connector.transport import Transport
+
+pytestmark = pytest.mark.transports("mooncake", "memory")
 
 
 def test_only_peers_with_our_register_frames_get_the_total_early(make_peer, raw_language, raw_pool) -> None:
@@ -53,6 +56,7 @@ class GatedTransport(Transport):
 
     def __init__(self) -> None:
         self.release, self.finished = threading.Event(), []
+        self.first_started = threading.Event()  # the held write is inside the transport
         self._lock = threading.Lock()
         self._calls = 0
 
@@ -67,6 +71,7 @@ class GatedTransport(Transport):
             self._calls += 1
             call = self._calls
         if call == 1:
+            self.first_started.set()
             assert self.release.wait(30)
         for src, dst, n in zip(src_addrs, dst_addrs, lengths, strict=True):
             ctypes.memmove(dst, src, n)
@@ -76,6 +81,7 @@ class GatedTransport(Transport):
         pass
 
 
+@pytest.mark.fast
 def test_a_round_written_beside_the_first_reports_after_it(raw_language) -> None:
     raw = raw_language
     config = ConnectorConfig(num_blocks=200, hidden_size=64, transfer_workers=2)

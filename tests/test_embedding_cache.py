@@ -12,6 +12,8 @@ from transfer_large_image import make_image
 
 from language_side.embedding_cache import EmbeddingCache, image_key, split_rows
 
+pytestmark = pytest.mark.fast
+
 
 def png_uri(image) -> str:
     buffer = io.BytesIO()

@@ -20,6 +20,8 @@ from embedding_side.encoders import FakeEncoder, QwenVisionEncoder, grid_for, sm
 from embedding_side.images import ImageInputError, MediaPolicy, load_image
 from embedding_side.positions import IMAGE_PAD_ID, image_positions
 
+pytestmark = pytest.mark.fast
+
 
 def png_bytes(img: Image.Image, fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()
@@ -183,6 +185,7 @@ def test_local_files_only_inside_the_allowed_directories_and_refusals_do_not_tel
         load_image(str(allowed / "ok.png"), MediaPolicy())  # no directory allowed: no local file
 
 
+@pytest.mark.serial
 def test_devices_and_fifos_are_refused_at_once_and_nothing_unbounded_is_read(tmp_path: Path) -> None:
     everything = MediaPolicy.create(["/"])
     for ref in ("/dev/zero", "file:///dev/urandom", str(tmp_path)):

@@ -9,7 +9,6 @@ import itertools
 
 import pytest
 import torch
-from make_checkpoint import write_checkpoint
 from transfer_large_image import make_image
 from transformers import AutoTokenizer
 
@@ -19,10 +18,12 @@ from language_side.model import LanguageModel, greedy
 from language_side.prompt import IMAGE_PLACEHOLDER as P
 from language_side.prompt import build_prompt
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    folder = write_checkpoint(tmp_path_factory.mktemp("qwen-engine"), 2048)
+def parts(seeded_checkpoint):
+    folder = seeded_checkpoint(2048)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return QwenVisionEncoder(folder), LanguageModel(folder), tokenizer
 
@@ -223,9 +224,9 @@ def test_an_abort_while_suspended_gives_the_kv_back(parts) -> None:
 
 
 @pytest.fixture(scope="module")
-def deep_parts(tmp_path_factory):
+def deep_parts(seeded_checkpoint):
     """Three decoder layers: a pass can be cut between two of them."""
-    folder = write_checkpoint(tmp_path_factory.mktemp("qwen-deep"), 512, layers=3)
+    folder = seeded_checkpoint(512, layers=3)
     return QwenVisionEncoder(folder), LanguageModel(folder), AutoTokenizer.from_pretrained(folder)
 
 

@@ -23,6 +23,8 @@ from connector.messages import (
 from connector.poll import KVPoll
 from connector.receiver import receive_embedding
 
+pytestmark = pytest.mark.transports("mooncake", "memory")
+
 
 def wait_for(predicate, timeout: float, what: str) -> float:
     start = time.monotonic()
@@ -39,6 +41,8 @@ def start_room(lang, peer, room: int, blocks: int):
     return receiver
 
 
+@pytest.mark.serial
+@pytest.mark.transports("mooncake")  # a process is killed
 def test_sender_killed_mid_round_fails_rooms_naming_the_peer_and_receiver_keeps_serving(make_peer, make_language) -> None:
     lang = make_language(num_blocks=256, heartbeat_interval=0.5, heartbeat_max_failures=2)
     peer = make_peer(num_blocks=600)
@@ -85,6 +89,7 @@ def test_abort_mid_round_keeps_blocks_until_the_ack_and_late_writes_cannot_corru
     emb.release()
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("fork_register", [False, True])
 def test_block_size_mismatch_fails_fast_with_a_reason(make_peer, make_language, monkeypatch, fork_register) -> None:
     peer, lang = make_peer(block_size=128), make_language(block_size=64)

@@ -27,6 +27,8 @@ from embedding_side.encoders import FakeEncoder, decode_bytes
 from embedding_side.images import MediaPolicy, open_image
 from embedding_side.worker import EncodeWorker
 
+pytestmark = pytest.mark.fast
+
 
 def granted(future: Future) -> bool:
     return future.done() and future.exception() is None

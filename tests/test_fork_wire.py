@@ -94,6 +94,7 @@ def test_our_encoder_feeds_a_fork_language_side_byte_identical(make_peer, fork_l
     assert lang.allocator.all_free()
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("init_first", [False, True], ids=["stage_then_init", "init_then_stage"])
 def test_block_size_mismatch_fails_a_fork_language_side_with_a_two_frame_status(make_peer, fork_language,
                                                                                  init_first: bool) -> None:

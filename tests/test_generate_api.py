@@ -13,11 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from make_checkpoint import write_checkpoint
 from monolithic import reference_tokens
 from transfer_large_image import make_image
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-from workers import model_workers
+from workers import InProcessWorker, model_workers
 
 from embedding_side.encoders import QwenVisionEncoder
 
@@ -26,16 +25,27 @@ CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    return str(write_checkpoint(tmp_path_factory.mktemp("qwen-serve"), 3584))
+def folder(seeded_checkpoint) -> str:
+    return seeded_checkpoint(3584)
+
+
+LANGUAGE_FLAGS = ("--embedding-default-allocate-buffer-size", "128", "--max-total-tokens", "8192")
 
 
 @pytest.fixture(scope="module")
 def workers(folder):
     """An encode worker and a language worker on the folder; the language side's default
     allocation is small, so a 448x448 image (256 tokens) needs a resume round."""
-    with model_workers(folder, "--embedding-default-allocate-buffer-size", "128", "--max-total-tokens", "8192") as pair:
+    with model_workers(folder, *LANGUAGE_FLAGS) as pair:
         yield pair
+
+
+@pytest.fixture(scope="module")
+def in_process_language(folder):
+    """The same language worker, its app served in this process (the fast tier's path)."""
+    worker = InProcessWorker("language", "--model-path", folder, *LANGUAGE_FLAGS)
+    yield worker
+    assert worker.stop() == 0
 
 
 @pytest.fixture(scope="module")
@@ -253,8 +263,10 @@ def _until(check, timeout: float = 30.0) -> None:
     ({"text": "word " * 33000}, "the model takes at most 32768"),
     ({"text": "x", "sampling_params": {"max_new_tokens": 9000}}, "the KV budget is 8192"),
 ])
-def test_bad_bodies_get_400_naming_the_problem(workers, body, message) -> None:
-    _, lang = workers
+@pytest.mark.parametrize("where", ["process", pytest.param("in_process", marks=pytest.mark.fast)])
+def test_bad_bodies_get_400_naming_the_problem(request, where, body, message) -> None:
+    lang = request.getfixturevalue("in_process_language") if where == "in_process" else request.getfixturevalue(
+        "workers")[1]
     raw = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, str) else {"json": body}
     answer = requests.post(f"{lang.url}/generate", timeout=60, **raw)
     assert answer.status_code == 400 and message in answer.json()["error"], answer.text
@@ -290,9 +302,9 @@ def test_sleep_without_preserve_state_ends_running_generations_clearly(workers) 
         "completion_tokens"] == 3
 
 
-def test_the_3b_width_works_end_to_end_the_same_way(tmp_path_factory, images) -> None:
+def test_the_3b_width_works_end_to_end_the_same_way(seeded_checkpoint, images) -> None:
     """A 2048-wide seeded model (the 3B geometry): both workers with --hidden-size 2048."""
-    folder = str(write_checkpoint(tmp_path_factory.mktemp("qwen-2048"), 2048))
+    folder = seeded_checkpoint(2048)
     text = CHAT.format(f"{P}Describe.")
     with model_workers(folder, "--embedding-default-allocate-buffer-size", "128", both=("--hidden-size", "2048")) as pair:
         answer = generate(pair, {"text": text, "sampling_params": {"max_new_tokens": 12}}, [images["square"]])

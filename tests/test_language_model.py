@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from make_checkpoint import write_checkpoint
 from monolithic import NEW_TOKENS, reference_tokens
 from transfer_large_image import make_image
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
@@ -26,8 +25,8 @@ from language_side.prompt import build_prompt
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    return str(write_checkpoint(tmp_path_factory.mktemp("qwen-lm"), 3584))
+def folder(seeded_checkpoint) -> str:
+    return seeded_checkpoint(3584)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +40,7 @@ def monolithic(folder):
     return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text, sizes", [
     (f"<|im_start|>user\n{P}What is in the picture?<|im_end|>\n<|im_start|>assistant\n", [(448, 448)]),
     (f"First {P} then, after some words, {P} and a question?", [(448, 448), (1000, 300)]),
@@ -58,6 +58,7 @@ def test_greedy_tokens_equal_the_monolithic_model(sides, monolithic, text, sizes
     assert len(ours) == NEW_TOKENS or ours[-1] == tokenizer.eos_token_id
 
 
+@pytest.mark.fast
 def test_the_language_side_reads_no_vision_tensor_and_keeps_the_checkpoint_dtype(sides) -> None:
     _, lm, _ = sides
     names = [name for name, _ in lm.model.named_parameters()]
@@ -66,6 +67,7 @@ def test_the_language_side_reads_no_vision_tensor_and_keeps_the_checkpoint_dtype
     assert lm.model.rotary_emb.inv_freq.dtype == torch.float32
 
 
+@pytest.mark.fast
 def test_a_checkpoint_with_sliding_window_layers_is_refused(folder, tmp_path) -> None:
     """Its cache keeps more than keys and values: sleep's KV and interrupted passes would not be exact."""
     config = json.loads(Path(folder, "config.json").read_text())
@@ -79,6 +81,7 @@ def test_a_checkpoint_with_sliding_window_layers_is_refused(folder, tmp_path) ->
         LanguageModel(tmp_path)
 
 
+@pytest.mark.fast
 def test_an_embedding_of_the_wrong_size_is_refused(sides) -> None:
     encoder, lm, tokenizer = sides
     encoded = encoder.encode([make_image(448, 448, seed=1)])

@@ -22,6 +22,8 @@ from connector.messages import (
 )
 from connector.poll import KVPoll
 
+pytestmark = pytest.mark.fast
+
 rooms = st.integers(0, 2**63 - 1)
 ports = st.integers(1, 65535)
 block_lists = st.lists(st.integers(0, 10_000), min_size=1, max_size=64, unique=True).map(tuple)

@@ -14,6 +14,8 @@ import pytest
 from connector.mooncake_transport import MooncakeTransport
 from connector.transport import TransferError
 
+pytestmark = pytest.mark.fast
+
 NBYTES = 8 << 20
 
 
@@ -62,6 +64,7 @@ def test_a_timed_out_status_is_polled_until_the_write_settles(link) -> None:
     assert hashlib.sha256(dst).digest() == hashlib.sha256(src).digest()
 
 
+@pytest.mark.serial
 def test_a_write_that_never_settles_fails_after_the_transfer_timeout(link) -> None:
     src_side, dst_side, src, dst = link
     src_side._engine = ScriptedEngine(src_side._engine, statuses=(0,) * 10**6)

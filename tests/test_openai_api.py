@@ -20,7 +20,6 @@ from pathlib import Path
 import openai
 import pytest
 import requests
-from make_checkpoint import write_checkpoint
 from test_generate_api import P, generate, images, metric, wait_idle  # noqa: F401  (fixture)
 from transfer_large_image import make_image
 from workers import WorkerProcess
@@ -29,8 +28,8 @@ MESSAGES = [{"role": "system", "content": "Be brief."}]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    return str(write_checkpoint(tmp_path_factory.mktemp("qwen-openai"), 3584))
+def folder(seeded_checkpoint) -> str:
+    return seeded_checkpoint(3584)
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +240,7 @@ def test_three_encoders_two_language_workers_32_chats_one_encoder_killed_halfway
             worker.stop()
 
 
+@pytest.mark.serial
 def test_asleep_or_aborted_requests_blame_no_encoder(cluster, tmp_path) -> None:
     """A language worker asleep answers 503 with Retry-After before asking any encoder; an
     /abort_request while its images are being encoded ends the request at once and gives every

@@ -6,18 +6,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from make_checkpoint import write_checkpoint
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from embedding_side.positions import image_positions
 from language_side.prompt import IMAGE_PLACEHOLDER, PromptError, build_prompt, grids_from_positions, render_chat
 
+pytestmark = pytest.mark.fast
+
 P = IMAGE_PLACEHOLDER
 
 
 @pytest.fixture(scope="module")
-def model_and_tokenizer(tmp_path_factory):
-    folder = write_checkpoint(tmp_path_factory.mktemp("qwen-prompt"), 2048)
+def model_and_tokenizer(seeded_checkpoint):
+    folder = seeded_checkpoint(2048)
     return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
 
 

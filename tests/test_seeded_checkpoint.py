@@ -7,16 +7,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from make_checkpoint import SPECIAL_TOKENS, write_checkpoint
+from make_checkpoint import SPECIAL_TOKENS
 from transfer_large_image import make_image
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from embedding_side.encoders import QwenVisionEncoder
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture(scope="module", params=[3584, 2048], ids=["7B-width", "3B-width"])
-def checkpoint(request, tmp_path_factory) -> tuple[str, int]:
-    return str(write_checkpoint(tmp_path_factory.mktemp(f"qwen-{request.param}"), request.param)), request.param
+def checkpoint(request, seeded_checkpoint) -> tuple[str, int]:
+    return seeded_checkpoint(request.param), request.param
 
 
 def test_transformers_loads_the_whole_model_in_its_dtype(checkpoint) -> None:

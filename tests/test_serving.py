@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from make_checkpoint import write_checkpoint
 from transformers import AutoTokenizer
 
 from language_side.engine import SamplingParams
@@ -14,10 +13,12 @@ from language_side.model import LanguageModel
 from language_side.prompt import build_prompt
 from language_side.serving import GenerationService, TextStream
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    return str(write_checkpoint(tmp_path_factory.mktemp("qwen-serving"), 2048))
+def folder(seeded_checkpoint) -> str:
+    return seeded_checkpoint(2048)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import requests
-from make_checkpoint import write_checkpoint
 from test_workers import Pair, assert_pools_free, images  # noqa: F401  (fixture)
 from transfer_large_image import run_request
 from transformers import AutoTokenizer
@@ -49,9 +48,9 @@ def line(out: str, tag: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
+def checkpoint(seeded_checkpoint) -> str:
     """A whole seeded model: the encode side reads its tower, the language side its language model."""
-    return str(write_checkpoint(tmp_path_factory.mktemp("qwen-seeded"), 3584))
+    return seeded_checkpoint(3584)
 
 
 def test_help_lists_our_modes_and_flags() -> None:
@@ -124,6 +123,7 @@ def test_an_invalid_mode_is_still_rejected_by_sglang() -> None:
     assert "invalid choice: 'bogus'" in res.stderr and "'encode'" in res.stderr
 
 
+@pytest.mark.fast
 def test_unsupported_sglang_version_gives_one_clear_error(monkeypatch) -> None:
     import sglang_ext.plugin as plugin
 
@@ -137,6 +137,7 @@ def test_unsupported_sglang_version_gives_one_clear_error(monkeypatch) -> None:
     assert not plugin.supported_version("0.6.0") and not plugin.supported_version("0.5.20")
 
 
+@pytest.mark.serial
 def test_the_plugin_costs_nothing_in_other_sglang_processes() -> None:
     code = ("import sys, time, sglang.srt.server_args\n"
             "before = set(sys.modules)\n"
@@ -150,6 +151,7 @@ def test_the_plugin_costs_nothing_in_other_sglang_processes() -> None:
     assert not re.search(r"'(connector|embedding_side|language_side|torch|transformers|sglang_ext\.args)\b", new_modules)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("command", [SGLANG_LAUNCH, SGLANG_SERVE], ids=["launch_server", "sglang_serve"])
 def test_4k_image_through_workers_started_by_sglang(command, checkpoint, images) -> None:  # noqa: F811
     encode = WorkerProcess("encode", "--model-path", checkpoint, command=command)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import zmq
 from test_faults import start_room, wait_for
 
@@ -18,6 +19,8 @@ from connector.messages import (
     decode_encoder_bound,
 )
 from connector.poll import KVPoll
+
+pytestmark = pytest.mark.transports("mooncake", "memory")
 
 
 def language_sleep_and_wake(lang, receivers):
@@ -130,6 +133,7 @@ def test_a_suspend_during_the_last_round_is_acked_after_its_success(make_peer, r
     assert isinstance(second, SuspendAckMsg), second
 
 
+@pytest.mark.serial
 def test_an_encoder_that_never_acks_the_suspend_is_aborted_and_the_pool_can_still_be_released(make_language) -> None:
     """A fake encoder that takes every message and answers none: sleep must still get every block back."""
     lang = make_language(abort_ack_timeout=1.0)

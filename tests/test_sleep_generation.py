@@ -17,14 +17,13 @@ from pathlib import Path
 
 import pytest
 import requests
-from make_checkpoint import write_checkpoint
 from test_generate_api import CHAT, ROOMS, P, fold_stream, generate, images, metric, wait_idle  # noqa: F401  (fixture)
 from workers import WorkerProcess, model_workers
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    return str(write_checkpoint(tmp_path_factory.mktemp("qwen-sleep-gen"), 3584))
+def folder(seeded_checkpoint) -> str:
+    return seeded_checkpoint(3584)
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +71,8 @@ def test_sleep_and_wake_in_every_phase_give_the_uninterrupted_tokens(workers, im
     sleep_in_every_phase(workers, images, level)
 
 
-def test_with_sleep_kv_recompute_the_tokens_are_the_same(tmp_path_factory, images) -> None:  # noqa: F811
-    folder = str(write_checkpoint(tmp_path_factory.mktemp("qwen-recompute"), 3584))
+def test_with_sleep_kv_recompute_the_tokens_are_the_same(seeded_checkpoint, images) -> None:  # noqa: F811
+    folder = seeded_checkpoint(3584)
     with model_workers(folder, "--embedding-default-allocate-buffer-size", "128", "--sleep-kv", "recompute") as pair:
         asleep = sleep_in_every_phase(pair, images, 1)
     assert asleep["kv_bytes"] == 0  # dropped, recomputed at wake-up

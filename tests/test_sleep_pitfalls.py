@@ -20,6 +20,8 @@ from connector.checkpoint import CheckpointError
 from language_side import checkpoint
 from language_side.engine import Engine, GenRequest, Phase
 
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -10,6 +10,8 @@ from connector.allocator import BlockAllocator
 from connector.failures import FailureKind
 from connector.poll import KVPoll, RoomState
 
+pytestmark = pytest.mark.fast
+
 
 def test_status_only_moves_forward() -> None:
     s = RoomState()

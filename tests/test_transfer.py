@@ -13,6 +13,8 @@ import pytest
 from connector.messages import RegisterMsg
 from connector.receiver import receive_embedding
 
+pytestmark = pytest.mark.transports("mooncake", "memory")
+
 
 def transfer(lang, peer, room: int, tokens: int, seed: int | None = None):
     """Stage on the encode peer, receive on the language side, compare every digest."""

@@ -19,7 +19,7 @@ import requests
 import zmq
 from PIL import Image
 from transfer_large_image import make_image, run_request
-from workers import WorkerProcess
+from workers import InProcessWorker, WorkerProcess
 
 from connector.bootstrap import fetch_route
 from connector.messages import InitMsg
@@ -79,6 +79,14 @@ def pair():
     p = Pair()
     yield p
     p.stop()
+
+
+@pytest.fixture(scope="module")
+def in_process_encode():
+    """An encode worker with the pair's flags, its app served in this process (the fast tier's path)."""
+    worker = InProcessWorker("encode")
+    yield worker
+    assert worker.stop() == 0
 
 
 @pytest.fixture(autouse=True)
@@ -150,8 +158,11 @@ def data_uri(payload: bytes) -> str:
     ({"rid": "b6", "bootstrap_room": "seven", "images": ["x.png"]}, 400, "wrong type"),
     ({"rid": "b7", "bootstrap_room": 8, "images": []}, 400, "list of 1 to"),
 ])
-def test_bad_encode_requests_get_4xx_with_a_clear_message(pair, body, status, words) -> None:
-    resp = requests.post(f"{pair.encode.url}/encode", json=body, timeout=30)
+@pytest.mark.parametrize("where", ["process", pytest.param("in_process", marks=pytest.mark.fast)])
+def test_bad_encode_requests_get_4xx_with_a_clear_message(request, where, body, status, words) -> None:
+    encode = request.getfixturevalue("in_process_encode") if where == "in_process" else request.getfixturevalue(
+        "pair").encode
+    resp = requests.post(f"{encode.url}/encode", json=body, timeout=30)
     assert resp.status_code == status
     message = resp.json()["error"]
     assert words in message and len(message) < 300 and "Traceback" not in message
@@ -175,6 +186,7 @@ def test_bad_generate_requests_get_4xx_or_name_the_unreachable_peer(pair) -> Non
     assert resp.status_code == 502 and f"127.0.0.1:{dead_port} unreachable" in resp.json()["error"]
 
 
+@pytest.mark.serial
 def test_hostile_media_and_json_get_400_at_once_and_the_worker_serves_on(tmp_path: Path) -> None:
     media = tmp_path / "media"
     media.mkdir()
@@ -266,6 +278,7 @@ def test_a_pool_that_forces_several_rounds(images) -> None:
             s.bind(("127.0.0.1", port))
 
 
+@pytest.mark.serial
 def test_encoder_dying_mid_request_gives_a_5xx_naming_the_peer(images) -> None:
     pair = Pair("--heartbeat-interval", "0.5", "--heartbeat-max-failure", "2")
     try:

@@ -1,0 +1,106 @@
+"""The request watchdog (request_watchdog.py) itself: a request that gets no answer within its
+deadline is named against the test that sent it, whether the client gave up (read timeout)
+or is still waiting; an answered one is not."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import requests
+from conftest import WATCHDOG
+from request_watchdog import RequestWatchdog
+
+pytestmark = pytest.mark.fast
+
+
+@pytest.fixture
+def silent_server():
+    """A TCP server that accepts connections and never answers."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+@pytest.fixture
+def answering_server():
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.unanswered_ok("the watchdog must see this request go unanswered")
+def test_a_read_timeout_is_named_against_its_test(request, silent_server, answering_server) -> None:
+    assert requests.get(answering_server, timeout=5).text == "ok"
+    with httpx.Client() as client:
+        assert client.get(answering_server, timeout=5).text == "ok"
+    assert WATCHDOG.recorded(request.node.nodeid) == []
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{silent_server}/generate", json={}, timeout=0.3)
+    with httpx.Client() as client, pytest.raises(httpx.ReadTimeout):
+        client.get(f"{silent_server}/v1/models", timeout=0.3)
+    found = WATCHDOG.recorded(request.node.nodeid)
+    assert len(found) == 2, found
+    assert f"POST {silent_server}/generate" in found[0] and "ReadTimeout" in found[0]
+    assert f"GET {silent_server}/v1/models" in found[1] and "ReadTimeout" in found[1]
+    assert request.node.nodeid in found[0]
+
+
+def test_a_request_still_waiting_past_its_deadline_is_named_with_every_thread_stack(capfd) -> None:
+    watchdog = RequestWatchdog(dump_workers=lambda: "<worker logs>", check_every_s=0.05)
+    watchdog.start()
+    try:
+        watchdog.begin_test("t::hung", allowed=False)
+        with watchdog.track("POST http://127.0.0.1:1/generate", deadline_s=0.2):
+            time.sleep(0.6)  # the client is still waiting when the deadline passes
+        with watchdog.track("GET http://127.0.0.1:1/health", deadline_s=5):
+            pass  # answered in time
+        found = watchdog.end_test("t::hung")
+    finally:
+        watchdog.stop()
+    assert len(found) == 1 and "POST http://127.0.0.1:1/generate" in found[0] and "still no answer" in found[0]
+    err = capfd.readouterr().err
+    assert "UNANSWERED" in err and "--- thread MainThread ---" in err and "<worker logs>" in err
+
+
+def test_a_test_marked_unanswered_ok_is_not_failed_and_the_next_test_starts_clean() -> None:
+    watchdog = RequestWatchdog()
+    watchdog.begin_test("t::allowed", allowed=True)
+    with pytest.raises(requests.exceptions.ReadTimeout), watchdog.track("GET http://x/", 0.1):
+        raise requests.exceptions.ReadTimeout()
+    assert watchdog.recorded("t::allowed") and watchdog.end_test("t::allowed") == []
+    watchdog.begin_test("t::next", allowed=False)
+    assert watchdog.end_test("t::next") == []
