@@ -137,7 +137,7 @@ class EmbeddingReceiver:
         # copy every partial round out of the pool and concatenate all copies at the end.
         self.clone_concat = False
         self._clones: list[Embedding] = []
-        self._last_progress = time.monotonic()
+        self._last_progress = self._m.clock()
         self.peer_name = f"encode peer {bootstrap_addr} (rank {route.rank_ip}:{route.rank_port})"
 
     def _move(self, phase: ReceiverPhase) -> None:
@@ -207,7 +207,7 @@ class EmbeddingReceiver:
             else:
                 self.state.advance(KVPoll.WaitingForInput, start)
             self.resume_rounds += 1
-            self._last_progress = time.monotonic()
+            self._last_progress = self._m.clock()
             self._move(R.WAITING)
         m._send(self, self._round_frames(blocks, start))
         return True
@@ -253,7 +253,7 @@ class EmbeddingReceiver:
             extended = self.route.extended
             if self.phase in (_MAYBE_IN_FLIGHT if extended else _FORK_OWES_A_ROUND):
                 self._move(R.ABORTING)
-                self._aborted_at = time.monotonic()
+                self._aborted_at = self._m.clock()
                 self._notify()
             else:
                 self._close()
@@ -327,7 +327,7 @@ class EmbeddingReceiver:
         """
         self.route = route
         self.peer_name = f"encode peer {self.bootstrap_addr} (rank {route.rank_ip}:{route.rank_port})"
-        self._last_progress = time.monotonic()
+        self._last_progress = self._m.clock()
         if self.phase != R.WAITING:
             return  # nothing requested: the next try_resume goes to the new rank
         start = self.state.progress.sent_tokens
@@ -427,7 +427,7 @@ class EmbeddingReceiver:
                     self._move(R.PARTIAL)
                 elif not self.route.extended:  # the fork's round landed: nothing is in flight
                     self._move(R.SUSPENDED)
-        self._last_progress = time.monotonic()
+        self._last_progress = self._m.clock()
         self._notify()
 
     def _on_total(self, total: int) -> None:
@@ -454,14 +454,16 @@ class EmbeddingReceiver:
 class EmbeddingReceiverManager:
     def __init__(self, config: ConnectorConfig, transport: Transport, pool: BufferPool,
                  allocator: BlockAllocator, generation: int | None = None,
-                 on_change: Callable[[], None] = lambda: None, rank_port: int = 0) -> None:
+                 on_change: Callable[[], None] = lambda: None, rank_port: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``on_change`` is called (cheaply, under the manager lock) whenever a room's status changes.
         ``rank_port``: listen there for statuses (a restart continuing rooms its encoders know by
-        that endpoint), or on a random port (0, or when it is taken)."""
+        that endpoint), or on a random port (0, or when it is taken). ``clock`` is what the
+        rooms' timeouts (waiting, abort ack, sleep) are measured by; tests drive it by hand."""
         if pool.block_size != config.block_size or pool.hidden_size != config.hidden_size:
             raise ValueError("pool geometry does not match the connector config")
         self.config, self.transport, self.pool, self.allocator = config, transport, pool, allocator
-        self.on_change = on_change
+        self.on_change, self.clock = on_change, clock
         self.generation = generation if generation is not None else time.time_ns() & (2**63 - 1)
         self.stats: collections.Counter[str] = collections.Counter()
         self.rejections = Rejections(log)
@@ -673,9 +675,9 @@ class EmbeddingReceiverManager:
 
     def _watch(self) -> None:
         interval = self.config.heartbeat_interval
-        next_beat = time.monotonic() + interval
+        next_beat = self.clock() + interval
         while not self._stop.wait(min(0.25, interval)):
-            now = time.monotonic()
+            now = self.clock()
             self._check_timeouts(now)
             if now >= next_beat:
                 next_beat = now + interval
@@ -727,7 +729,7 @@ class EmbeddingReceiverManager:
         with self._lock:
             peer.misses, peer.dead = 0, ""
             if text.startswith("SLEEPING"):
-                peer.asleep_since = peer.asleep_since or time.monotonic()
+                peer.asleep_since = peer.asleep_since or self.clock()
                 if text.startswith("SLEEPING checkpointed") and not peer.durable:
                     self.stats["durable_sleepers_seen"] += 1
                 peer.durable = text.startswith("SLEEPING checkpointed")
@@ -737,7 +739,7 @@ class EmbeddingReceiverManager:
                 peer.asleep_since = None
                 for receiver in self._rooms.values():
                     if receiver.bootstrap_addr == addr:
-                        receiver._last_progress = time.monotonic()
+                        receiver._last_progress = self.clock()
             known = peer.incarnation = peer.incarnation or incarnation
         if incarnation and known != incarnation:
             self._rebind(addr, incarnation)

@@ -22,6 +22,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -126,10 +127,13 @@ class EmbeddingSender:
 
 class EmbeddingSenderManager:
     def __init__(self, config: ConnectorConfig, transport: Transport, pool: BufferPool,
-                 allocator: BlockAllocator) -> None:
+                 allocator: BlockAllocator, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` is what the rooms' timeouts (bootstrap, resume, sleep) and the heartbeat are
+        measured by; tests drive it by hand."""
         if pool.block_size != config.block_size or pool.hidden_size != config.hidden_size:
             raise ValueError("pool geometry does not match the connector config")
         self.config, self.transport, self.pool, self.allocator = config, transport, pool, allocator
+        self.clock = clock
         self.stats: collections.Counter[str] = collections.Counter()
         self.rejections = Rejections(log)
         self.staging = ByteBudget(config.staging_bytes)
@@ -242,7 +246,7 @@ class EmbeddingSenderManager:
                 raise ValueError(f"rooms {taken} are already in use")
             self.transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
             self.pool, self.allocator = pool, allocator
-            now = time.monotonic()
+            now = self.clock()
             for saved in restored:
                 r = self._new_room(saved.room)
                 r.total_tokens, r.staged, r.required_dsts = saved.data.num_tokens, saved.data, saved.destinations
@@ -281,7 +285,8 @@ class EmbeddingSenderManager:
     # ---- room bookkeeping (lock held) ----------------------------------------------------------
 
     def _new_room(self, room: int) -> SenderRoom:
-        r = self._rooms[room] = SenderRoom(room, deadline=time.monotonic() + self.config.bootstrap_timeout)
+        r = self._rooms[room] = SenderRoom(room, deadline=self.clock() + self.config.bootstrap_timeout,
+                                              clock=self.clock)
         return r
 
     def _admit(self, r: SenderRoom, nbytes: int) -> Future:
@@ -393,7 +398,7 @@ class EmbeddingSenderManager:
             self._send_ack(ack.endpoint, ack.dst_port, AbortAckMsg(r.room, ack.generation).encode())
         r.pending_acks.clear()
         self._send_suspend_acks(r)
-        self._ended[r.room] = time.monotonic()
+        self._ended[r.room] = self.clock()
         self._ended.move_to_end(r.room)
         while len(self._ended) > _MAX_ENDED:
             self._rooms.pop(self._ended.popitem(last=False)[0], None)
@@ -777,7 +782,7 @@ class EmbeddingSenderManager:
             for d in write.dsts:
                 self._push.try_send(d.endpoint, d.port, self._status_frames(d.endpoint, d.port,
                                                                             StatusMsg(r.room, status, write.end)))
-            r.deadline = time.monotonic() + self.config.resume_timeout
+            r.deadline = self.clock() + self.config.resume_timeout
         if r.writes:
             return
         if r.phase == P.DRAINING:
@@ -799,9 +804,9 @@ class EmbeddingSenderManager:
     # ---- timeouts and liveness -------------------------------------------------------------------
 
     def _housekeeping(self) -> None:
-        next_beat = time.monotonic() + self.config.heartbeat_interval
+        next_beat = self.clock() + self.config.heartbeat_interval
         while not self._stop.wait(0.25):
-            now = time.monotonic()
+            now = self.clock()
             with self._lock:
                 self._expire_ended(now)
                 if self._paused:

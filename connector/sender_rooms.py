@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -90,6 +91,7 @@ class SenderRoom:
     deadline: float = 0.0  # of the bootstrap or resume wait
     suspended_at: float = 0.0
     first_write_at: float | None = None  # time.monotonic() as the first round's write began
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)  # the manager's
     delivered: Future = field(default_factory=Future)  # None once every destination has it all
 
     def move(self, phase: SenderPhase) -> None:
@@ -97,7 +99,7 @@ class SenderRoom:
             raise AssertionError(f"room {self.room}: no transition {self.phase.name} -> {phase.name}")
         self.phase = phase
         if phase == P.SUSPENDED:
-            self.suspended_at = time.monotonic()
+            self.suspended_at = self.clock()
 
     @property
     def live(self) -> bool:

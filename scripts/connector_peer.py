@@ -30,6 +30,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -92,12 +93,13 @@ class PeerService:
     operations listed above; ``handle`` answers one request. The process below serves it over
     ZMQ; the fast test tier drives one in-process over :class:`MemoryTransport`."""
 
-    def __init__(self, config: ConnectorConfig, transport: Transport, bootstrap_port: int = 0) -> None:
+    def __init__(self, config: ConnectorConfig, transport: Transport, bootstrap_port: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.transport = config, transport
         self.pool: BufferPool | None = BufferPool(config.num_blocks, config.block_size, config.hidden_size,
                                                   config.dtype)
         self.allocator: BlockAllocator | None = BlockAllocator(config.num_blocks)
-        self.manager = EmbeddingSenderManager(config, transport, self.pool, self.allocator)
+        self.manager = EmbeddingSenderManager(config, transport, self.pool, self.allocator, clock)
         self.sleeping = threading.Event()
         self.bootstrap = BootstrapServer(config.host, bootstrap_port, secret=config.secret,
                                          health_status=lambda: "SLEEPING" if self.sleeping.is_set() else "OK")

@@ -9,6 +9,8 @@ import selectors
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -81,8 +83,9 @@ class InProcessPeer:
     same control operations as :class:`EncodePeer`, each request and reply going through JSON
     as they would over the socket."""
 
-    def __init__(self, config: ConnectorConfig, link_bytes_per_s: float | None = None) -> None:
-        self.service = PeerService(config, MemoryTransport(config.host, link_bytes_per_s))
+    def __init__(self, config: ConnectorConfig, link_bytes_per_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.service = PeerService(config, MemoryTransport(config.host, link_bytes_per_s), clock=clock)
         self.info = {"bootstrap_port": self.service.bootstrap.port, "rank_port": self.service.manager.rank_port}
         self.bootstrap_addr = f"127.0.0.1:{self.info['bootstrap_port']}"
         self._closed = False

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -177,6 +178,24 @@ def _peer_args(num_blocks: int, block_size: int, hidden_size: int, **extra: obje
     return args
 
 
+class ManualClock:
+    """A clock for the connector's timeouts that moves only when the test says: a 300-second
+    timeout is crossed with ``advance(301)`` instead of a sleep. Starts at the real monotonic
+    time, so deadlines computed before the test takes over stay sensible."""
+
+    def __init__(self) -> None:
+        self._now = time.monotonic()
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now += seconds
+
+
 # What connector_peer.py's flags default to, for a peer started in this process.
 PEER_DEFAULTS = {"resume_timeout": 60.0, "bootstrap_timeout": 60.0}
 
@@ -187,12 +206,13 @@ def make_peer(connector_kind: str) -> Iterator[Callable[..., EncodePeer | InProc
     peers: list[EncodePeer | InProcessPeer] = []
 
     def start(num_blocks: int = 320, block_size: int = 128, hidden_size: int = 3584,
-              **extra: object) -> EncodePeer | InProcessPeer:
+              clock: ManualClock | None = None, **extra: object) -> EncodePeer | InProcessPeer:
         if connector_kind == "memory":
             peer = InProcessPeer(ConnectorConfig(num_blocks=num_blocks, block_size=block_size, hidden_size=hidden_size,
                                                  **{**PEER_DEFAULTS, **extra}),  # type: ignore[arg-type]
-                                 MEMORY_LINK_BYTES_PER_S)
+                                 MEMORY_LINK_BYTES_PER_S, clock or time.monotonic)
         else:
+            assert clock is None, "a peer process keeps its own time: clock-driven tests are memory-only"
             peer = EncodePeer(*_peer_args(num_blocks, block_size, hidden_size, **extra))
         peers.append(peer)
         return peer
@@ -213,12 +233,12 @@ def make_language(connector_kind: str) -> Iterator[Callable[..., Language]]:
     """Language-side managers; on teardown every block must be back in each pool."""
     made: list[tuple[Language, MooncakeTransport | MemoryTransport]] = []
 
-    def start(**overrides: object) -> Language:
+    def start(clock: ManualClock | None = None, **overrides: object) -> Language:
         config = ConnectorConfig(**{"num_blocks": 256, **overrides})  # type: ignore[arg-type]
         pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
         allocator = BlockAllocator(config.num_blocks)
         transport = make_transport(connector_kind, config.host)
-        manager = EmbeddingReceiverManager(config, transport, pool, allocator)
+        manager = EmbeddingReceiverManager(config, transport, pool, allocator, clock=clock or time.monotonic)
         lang = Language(manager, allocator, pool, config)
         made.append((lang, transport))
         return lang
