@@ -175,6 +175,7 @@ def test_the_language_queue_is_bounded_in_length_and_in_time(image, calls) -> No
         assert_pools_free(pair)
 
 
+@pytest.mark.unanswered_ok("the client goes away: its 1 s timeout is the point")
 def test_a_generate_client_that_goes_away_ends_the_rooms_encode(image, calls) -> None:
     with Pair(*FAKE, language_args=ONE_ALLOCATION) as pair:
         holder = calls.submit(generate, pair, "c1", 1)
@@ -193,6 +194,7 @@ def test_a_generate_client_that_goes_away_ends_the_rooms_encode(image, calls) ->
         assert_pools_free(pair)
 
 
+@pytest.mark.unanswered_ok("the client goes away: its 1 s timeout is the point")
 def test_an_encode_client_that_goes_away_fails_the_room_for_its_language_peer(image, calls, silent_port) -> None:
     with Pair(*FAKE) as pair:
         waiting = calls.submit(timed, lambda: generate(pair, "e1", 1))
