@@ -44,11 +44,16 @@ class StallWatch:
 
     A thread ticks every ``tick`` seconds; :meth:`epoch` goes up by one for every stall seen,
     including one still going on (a thread that runs again before the ticker does sees the
-    last tick far in the past).
+    last tick far in the past). The ticker counts a stall and moves its last tick in one step
+    under a lock, and :meth:`epoch` reads both under it: read between the two, the stall would
+    be counted twice (``epoch`` one above what the watch settles on), and a ping tagged with
+    that epoch, once answered, would leave its session's ``confirmed_epoch`` above every epoch
+    to come, so no write to it would start again until the next stall.
     """
 
     def __init__(self, threshold: float, tick: float = 0.05) -> None:
         self.threshold, self._tick = threshold, tick
+        self._lock = threading.Lock()
         self._last = time.monotonic()
         self._stalls = 0
         self._stop = threading.Event()
@@ -56,16 +61,19 @@ class StallWatch:
         self._thread.start()
 
     def epoch(self) -> int:
-        return self._stalls + (time.monotonic() - self._last > self.threshold)
+        with self._lock:
+            return self._stalls + (time.monotonic() - self._last > self.threshold)
 
     def _run(self) -> None:
         while not self._stop.wait(self._tick):
-            now = time.monotonic()
-            if now - self._last > self.threshold:
-                self._stalls += 1
-                log.warning("this process did not run for %.1fs; writes wait until each peer answers a ping",
-                            now - self._last)
-            self._last = now
+            with self._lock:  # the clock is read under the lock too: a stall epoch() saw is counted
+                now = time.monotonic()
+                gap, self._last = now - self._last, now
+                stalled = gap > self.threshold
+                if stalled:
+                    self._stalls += 1
+            if stalled:  # logged outside the lock: the GIL may pass to another thread here
+                log.warning("this process did not run for %.1fs; writes wait until each peer answers a ping", gap)
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,60 @@
+"""The encode side's stall watch: a language session that answers a ping after a stall may be
+written again, whatever another thread read while the stall was being counted."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import zmq
+
+from connector import language_peers
+from connector.language_peers import LanguagePeers
+from connector.messages import PongMsg, RegisterMsg
+from connector.zmq_link import PushSockets
+
+pytestmark = pytest.mark.fast
+
+SESSION = "127.0.0.1:17001"
+
+
+def _answer_pings(peers: LanguagePeers) -> None:
+    """What the language side does: answer every ping that is out."""
+    for seq in list(peers.get(SESSION).pings):
+        peers.on_pong(PongMsg(SESSION, seq))
+
+
+def test_a_ping_sent_while_a_stall_is_being_counted_still_lets_writes_start(monkeypatch) -> None:
+    """On a busy machine the GIL can pass to another thread right as the watch counts a stall
+    (the heartbeat of an encoder just resumed from SIGSTOP, say). A ping sent then was tagged
+    one epoch above the one the watch settles on; once answered, no later ping could confirm
+    the session again: every write to it waited forever (the frozen-encoder test's hang)."""
+    context = zmq.Context()
+    push = PushSockets(context)
+    peers = LanguagePeers(push, "127.0.0.1", 1, interval=0.5, max_misses=2)
+    try:
+        assert peers.register(RegisterMsg("127.0.0.1", 1, SESSION, (1, 2, 3, 4), 1, 64, (1, 1, 1, 1)), "", set) == ""
+        assert not peers.may_write(SESSION)  # not confirmed yet: a ping goes out
+        _answer_pings(peers)
+        assert peers.may_write(SESSION)
+
+        pinged = threading.Event()
+
+        def another_thread_runs(*_args: object) -> None:  # while the watch reports the stall
+            peers.may_write(SESSION)
+            pinged.set()
+
+        monkeypatch.setattr(language_peers.log, "warning", another_thread_runs)
+        peers.stall._last -= 10 * peers.stall.threshold  # what the ticker sees after a SIGSTOP
+        assert pinged.wait(5)
+
+        confirmed = False
+        for _ in range(5):  # the language side answers every ping, as many rounds as it takes
+            _answer_pings(peers)
+            if confirmed := peers.may_write(SESSION):
+                break
+        assert confirmed, f"answered pings never confirm the session again: {peers.get(SESSION)}"
+    finally:
+        peers.close()
+        push.close()
+        context.term()
