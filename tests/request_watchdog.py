@@ -2,7 +2,9 @@
 deadline fails, naming the request.
 
 Every request a test sends through ``requests`` or ``httpx`` (what the ``openai`` client uses)
-is tracked, whatever thread sends it. Its deadline is its own timeout (connect + read, the
+is tracked, whatever thread sends it; requests our own code sends in this process (a language
+manager probing an encoder's health, in the fast tier) are not client requests, and their
+timeouts are the product's to handle. Its deadline is its own timeout (connect + read, the
 longest the client would wait for the answer to start), or ``DEFAULT_DEADLINE_S`` for a
 request sent without one. A request still without an answer past its deadline, or one that
 ended in a read timeout, is *unanswered*: the moment it is found, the stacks of every thread
@@ -15,17 +17,22 @@ a request unanswered says so with ``@pytest.mark.unanswered_ok("why")``.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import requests
 import requests.adapters
 
+ROOT = Path(__file__).resolve().parent.parent
+PRODUCT = tuple(f"{ROOT / package}{os.sep}" for package in ("connector", "embedding_side", "language_side", "sglang_ext"))
+CLIENTS = tuple(f"{ROOT / folder}{os.sep}" for folder in ("tests", "scripts"))
 DEFAULT_DEADLINE_S = 300.0
 CHECK_EVERY_S = 1.0
 
@@ -52,6 +59,19 @@ def _thread_stacks() -> str:
     for ident, frame in sys._current_frames().items():
         out.append(f"--- thread {names.get(ident, ident)} ---\n" + "".join(traceback.format_stack(frame)))
     return "\n".join(out)
+
+
+def _sent_by_product() -> bool:
+    """Whether the nearest caller of ours on the stack is the product, not a test or script."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(PRODUCT):
+            return True
+        if name.startswith(CLIENTS) and not name.endswith("request_watchdog.py"):
+            return False
+        frame = frame.f_back
+    return False
 
 
 def _requests_deadline(timeout: object) -> float:
@@ -90,10 +110,14 @@ class RequestWatchdog:
         sent_by_httpx = httpx.HTTPTransport.handle_request
 
         def send(adapter, request, stream=False, timeout=None, **kwargs):  # noqa: ANN001, ANN202
+            if _sent_by_product():
+                return sent_by_requests(adapter, request, stream=stream, timeout=timeout, **kwargs)
             with watchdog.track(f"{request.method} {request.url}", _requests_deadline(timeout)):
                 return sent_by_requests(adapter, request, stream=stream, timeout=timeout, **kwargs)
 
         def handle_request(transport, request):  # noqa: ANN001, ANN202
+            if _sent_by_product():
+                return sent_by_httpx(transport, request)
             with watchdog.track(f"{request.method} {request.url}", _httpx_deadline(request)):
                 return sent_by_httpx(transport, request)
 

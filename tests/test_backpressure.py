@@ -8,8 +8,6 @@ that does not answer its route lookup holds up nobody else.
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,33 +35,6 @@ def image(tmp_path_factory) -> str:
 def calls() -> Iterator[ThreadPoolExecutor]:
     with ThreadPoolExecutor(16) as pool:
         yield pool
-
-
-@pytest.fixture
-def silent_port() -> Iterator[int]:
-    """A TCP port that accepts connections and never answers (a hung peer or media server)."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield server.getsockname()[1]
-    stop.set()
-    thread.join()
-    for conn in held:
-        conn.close()
-    server.close()
 
 
 def health(url: str) -> dict:

@@ -5,7 +5,6 @@ or is still waiting; an answered one is not."""
 from __future__ import annotations
 
 import http.server
-import socket
 import threading
 import time
 
@@ -16,31 +15,6 @@ from conftest import WATCHDOG
 from request_watchdog import RequestWatchdog
 
 pytestmark = pytest.mark.fast
-
-
-@pytest.fixture
-def silent_server():
-    """A TCP server that accepts connections and never answers."""
-    server = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                held.append(server.accept()[0])
-            except TimeoutError:
-                pass
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.getsockname()[1]}"
-    stop.set()
-    thread.join()
-    for conn in held:
-        conn.close()
-    server.close()
 
 
 @pytest.fixture
@@ -63,7 +37,8 @@ def answering_server():
 
 
 @pytest.mark.unanswered_ok("the watchdog must see this request go unanswered")
-def test_a_read_timeout_is_named_against_its_test(request, silent_server, answering_server) -> None:
+def test_a_read_timeout_is_named_against_its_test(request, silent_port, answering_server) -> None:
+    silent_server = f"http://127.0.0.1:{silent_port}"
     assert requests.get(answering_server, timeout=5).text == "ok"
     with httpx.Client() as client:
         assert client.get(answering_server, timeout=5).text == "ok"
@@ -104,3 +79,20 @@ def test_a_test_marked_unanswered_ok_is_not_failed_and_the_next_test_starts_clea
     assert watchdog.recorded("t::allowed") and watchdog.end_test("t::allowed") == []
     watchdog.begin_test("t::next", allowed=False)
     assert watchdog.end_test("t::next") == []
+
+
+@pytest.mark.unanswered_ok("only to look at what was recorded")
+def test_a_request_our_own_code_sends_in_process_is_not_a_client_request(request, silent_port) -> None:
+    """The language manager's health probe of an encoder, in-process in the fast tier: its
+    timeout is a heartbeat miss the product handles, not a client left without an answer."""
+    from connector.encoder_peers import EncoderPeers
+
+    peers, answers = EncoderPeers(interval=0.3), []
+    done = threading.Event()
+    try:
+        peers.probe({f"127.0.0.1:{silent_port}"}, lambda addr, probe: (answers.append(probe), done.set()))
+        assert done.wait(10)
+    finally:
+        peers.close()
+    assert not answers[0].ok and answers[0].why == "ReadTimeout"
+    assert WATCHDOG.recorded(request.node.nodeid) == []
