@@ -459,7 +459,8 @@ class EmbeddingReceiverManager:
         """``on_change`` is called (cheaply, under the manager lock) whenever a room's status changes.
         ``rank_port``: listen there for statuses (a restart continuing rooms its encoders know by
         that endpoint), or on a random port (0, or when it is taken). ``clock`` is what the
-        rooms' timeouts (waiting, abort ack, sleep) are measured by; tests drive it by hand."""
+        rooms' timeouts (waiting, abort ack, sleep) and the encoder probes' interval are measured
+        by; tests drive it by hand."""
         if pool.block_size != config.block_size or pool.hidden_size != config.hidden_size:
             raise ValueError("pool geometry does not match the connector config")
         self.config, self.transport, self.pool, self.allocator = config, transport, pool, allocator

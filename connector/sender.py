@@ -777,12 +777,13 @@ class EmbeddingSenderManager:
                 continue
             status = KVPoll.Success if write.end >= r.total_tokens else KVPoll.Transferring
             r.state.advance(status, write.end)
+            # The resume wait starts before the peer can hear of the round (and answer it).
+            r.deadline = self.clock() + self.config.resume_timeout
             # The status goes out before any ack _end sends: a peer that sees the ack must
             # already know how the round ended.
             for d in write.dsts:
                 self._push.try_send(d.endpoint, d.port, self._status_frames(d.endpoint, d.port,
                                                                             StatusMsg(r.room, status, write.end)))
-            r.deadline = self.clock() + self.config.resume_timeout
         if r.writes:
             return
         if r.phase == P.DRAINING:

@@ -322,9 +322,12 @@ class LanguageWorker:
         with self._lock:
             requests = [r for r in self._requests.values() if r.phase not in (Q.CONSUMING, Q.DONE, Q.FAILED)]
         for req in requests:
+            why = reason
             if req.receiver is not None:
-                req.receiver.abort(kind, reason)
-            self._fail(req, kind, reason)
+                if req.receiver.poll() == KVPoll.Success:  # the encoder delivered it: say so
+                    why = f"{reason} (its embedding had arrived; the request was not served)"
+                req.receiver.abort(kind, why)
+            self._fail(req, kind, why)
 
     def _wait_for_blocks(self) -> None:
         """Wait (bounded: the ack timeout frees them) for the blocks of aborted rooms."""

@@ -22,9 +22,11 @@ length, receive that many bytes.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import json
 import logging
+import signal
 import socket
 import struct
 import sys
@@ -169,6 +171,7 @@ def main() -> None:
     ap.add_argument("--control-secret", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="peer %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack
 
     config = ConnectorConfig(host=args.host, num_blocks=args.num_blocks, block_size=args.block_size,
                              hidden_size=args.hidden_size, resume_timeout=args.resume_timeout,

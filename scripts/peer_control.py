@@ -88,6 +88,7 @@ class InProcessPeer:
         self.service = PeerService(config, MemoryTransport(config.host, link_bytes_per_s), clock=clock)
         self.info = {"bootstrap_port": self.service.bootstrap.port, "rank_port": self.service.manager.rank_port}
         self.bootstrap_addr = f"127.0.0.1:{self.info['bootstrap_port']}"
+        self._lock = threading.Lock()
         self._closed = False
 
     @property
@@ -95,7 +96,8 @@ class InProcessPeer:
         return not self._closed
 
     def call(self, op: str, **fields: object) -> dict:
-        reply = json.loads(json.dumps(self.service.handle(json.loads(json.dumps({"op": op, **fields})))))
+        with self._lock:  # one request at a time, as the process's REQ/REP socket serves them
+            reply = json.loads(json.dumps(self.service.handle(json.loads(json.dumps({"op": op, **fields})))))
         if "error" in reply:
             raise RuntimeError(f"encode peer: {reply['error']}")
         return reply

@@ -118,7 +118,7 @@ class InProcessWorker:
     """A worker built by the launcher from the same flags, its app served in this process by
     aiohttp's test server on a thread of its own: the fast tier's way to reach the real HTTP
     handlers. ``url`` is its address; the worker's Mooncake engine, pools and threads are the
-    real ones."""
+    real ones. ``stop`` shuts it down in the order the process does (see ``serve``)."""
 
     def __init__(self, mode: str, *extra: str, bootstrap_port: int | None = None) -> None:
         from sglang_ext.launch_server import build, parse
@@ -131,19 +131,29 @@ class InProcessWorker:
                      "--allowed-local-media-path", tempfile.gettempdir(), "--allow-private-media-urls"]
         self.built = build(parse(args))
         self._loop = asyncio.new_event_loop()
-        self._server = TestServer(self.built.app, host="127.0.0.1", handler_cancellation=True)
-        threading.Thread(target=self._loop.run_forever, name=f"in-process-{mode}-worker", daemon=True).start()
-        asyncio.run_coroutine_threadsafe(self._server.start_server(), self._loop).result(30)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"in-process-{mode}-worker", daemon=True)
+        self._thread.start()
+        self._server = TestServer(self.built.app, host="127.0.0.1")
+        # As serve() runs it: 2 s to finish handlers at shutdown; a gone client cancels its handler
+        # (the test server's default).
+        self._on_loop(self._server.start_server(shutdown_timeout=2.0, access_log=None))
         self.url = f"http://127.0.0.1:{self._server.port}"
 
-    def stop(self) -> int:
-        """Stop as the process does on SIGINT; 0 once everything is released."""
+    def _on_loop(self, coro, timeout: float = 30.0):  # noqa: ANN001, ANN202
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self) -> None:
+        """Fail what is in flight, close the server, let the loop's pending work end, then release
+        the worker (also when a step before fails)."""
         if self._loop.is_closed():
-            return 0
+            return
         worker = self.built.worker
-        worker.stop()
-        asyncio.run_coroutine_threadsafe(self._server.close(), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        worker.close()
-        self._loop.close()
-        return 0
+        try:
+            worker.stop()
+            self._on_loop(self._server.close())
+            self._on_loop(self._loop.shutdown_default_executor())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+            self._loop.close()
+            worker.close()

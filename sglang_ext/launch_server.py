@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Built:
-    """A worker and its HTTP app, not yet serving; ``describe`` is the READY line's tail."""
+    """A worker and its HTTP app, not yet serving; ``describe`` is what the READY line says of its
+    addresses, model and encoders."""
 
     worker: EncodeWorker | LanguageWorker
     app: web.Application

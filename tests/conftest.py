@@ -109,8 +109,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 # Seconds each of the slowest modules took in one serial run (2 cores), rounded. Under xdist's
-# --dist loadfile a worker takes a whole module at a time, in collection order: starting the long
-# ones first keeps one worker from running the longest module alone at the end.
+# --dist loadfile --no-loadscope-reorder a worker takes a whole module at a time, in collection
+# order: starting the long ones first keeps one worker from running the longest alone at the end.
 MODULE_SECONDS = {"test_sleep_generation": 520, "test_benchmarks_smoke": 290, "test_sleep_workers": 240,
                   "test_openai_api": 180, "test_sglang_plugin": 155, "test_backpressure": 120,
                   "test_faults_under_load": 110, "test_workers": 100, "test_language_model": 70}
@@ -125,10 +125,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture
-def connector_kind(request: pytest.FixtureRequest) -> str:
-    """Which transport the connector fixtures use: real Mooncake with a peer process unless the
-    test is parametrized over ``transports``."""
-    return getattr(request, "param", "mooncake")
+def connector_kind() -> str:
+    """Which transport the connector fixtures use: real Mooncake with a peer process; a test
+    parametrized over ``transports`` gets the kind of its copy instead of this default."""
+    return "mooncake"
 
 
 @pytest.fixture(autouse=True)
@@ -191,8 +191,8 @@ def _peer_args(num_blocks: int, block_size: int, hidden_size: int, **extra: obje
 
 class ManualClock:
     """A clock for the connector's timeouts that moves only when the test says: a 300-second
-    timeout is crossed with ``advance(301)`` instead of a sleep. Starts at the real monotonic
-    time, so deadlines computed before the test takes over stay sensible."""
+    timeout is crossed with ``advance(301)`` instead of a sleep. The managers' heartbeats run
+    on it too, so while it stands still no peer is pinged or probed."""
 
     def __init__(self) -> None:
         self._now = time.monotonic()
@@ -231,11 +231,13 @@ def make_peer(connector_kind: str) -> Iterator[Callable[..., EncodePeer | InProc
     yield start
     leaks = []
     for peer in peers:
-        if peer.alive:
-            stats = wait_peer_idle(peer)
-            if stats["free_blocks"] != stats["num_blocks"]:
-                leaks.append(stats)
-        peer.close()
+        try:
+            if peer.alive:
+                stats = wait_peer_idle(peer)
+                if stats["free_blocks"] != stats["num_blocks"]:
+                    leaks.append(stats)
+        finally:
+            peer.close()
     assert not leaks, f"encode peer leaked blocks: {leaks}"
 
 

@@ -2,11 +2,12 @@
 deadline fails, naming the request.
 
 Every request a test sends through ``requests`` or ``httpx`` (what the ``openai`` client uses)
-is tracked, whatever thread sends it; requests our own code sends in this process (a language
+is tracked until its answer starts (a streamed body's later chunks are the test's to time),
+whatever thread sends it; requests our own code sends in this process (a language
 manager probing an encoder's health, in the fast tier) are not client requests, and their
-timeouts are the product's to handle. Its deadline is its own timeout (connect + read, the
-longest the client would wait for the answer to start), or ``DEFAULT_DEADLINE_S`` for a
-request sent without one. A request still without an answer past its deadline, or one that
+timeouts are the product's to handle. Its deadline is the longest its own timeout lets the client
+wait for the answer to start (connect, then read), or ``DEFAULT_DEADLINE_S`` (270 s, before
+pytest-timeout) for a request sent without one. A request still without an answer past its deadline, or one that
 ended in a read timeout, is *unanswered*: the moment it is found, the stacks of every thread
 here and in every worker process the tests started (``SIGUSR1``, which our workers answer
 with a ``faulthandler`` dump into their logs) are written to this test's output, so a hang
@@ -33,7 +34,9 @@ import requests.adapters
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = tuple(f"{ROOT / package}{os.sep}" for package in ("connector", "embedding_side", "language_side", "sglang_ext"))
 CLIENTS = tuple(f"{ROOT / folder}{os.sep}" for folder in ("tests", "scripts"))
-DEFAULT_DEADLINE_S = 300.0
+# For a request sent without a timeout: before faulthandler (290 s) and pytest-timeout (300 s).
+DEFAULT_DEADLINE_S = 270.0
+BETWEEN_TESTS = "(between tests)"
 CHECK_EVERY_S = 1.0
 
 
@@ -75,17 +78,19 @@ def _sent_by_product() -> bool:
 
 
 def _requests_deadline(timeout: object) -> float:
+    """The longest ``requests`` itself would wait for the answer to start: connect, then read
+    (one number is each of the two), and a second for the watch's own tick."""
     if timeout is None:
         return DEFAULT_DEADLINE_S
     if isinstance(timeout, tuple):
-        return sum(t if t is not None else DEFAULT_DEADLINE_S for t in timeout)
-    return float(timeout)  # type: ignore[arg-type]
+        return min(DEFAULT_DEADLINE_S, sum(t if t is not None else DEFAULT_DEADLINE_S for t in timeout) + 1)
+    return min(DEFAULT_DEADLINE_S, 2 * float(timeout) + 1)  # type: ignore[arg-type]
 
 
 def _httpx_deadline(request: httpx.Request) -> float:
     timeout = request.extensions.get("timeout") or {}
     parts = [timeout.get("connect"), timeout.get("read")]
-    return sum(t if t is not None else DEFAULT_DEADLINE_S for t in parts)
+    return min(DEFAULT_DEADLINE_S, sum(t if t is not None else DEFAULT_DEADLINE_S for t in parts) + 1)
 
 
 class RequestWatchdog:
@@ -94,7 +99,7 @@ class RequestWatchdog:
         self._in_flight: dict[int, InFlight] = {}
         self._ids = iter(range(1, 1 << 62))
         self._unanswered: list[tuple[str, str]] = []  # (test it counts against, description)
-        self._current_test = "(outside any test)"
+        self._current_test = BETWEEN_TESTS
         self._allowed = False
         self._dump_workers = dump_workers
         self._check_every_s = check_every_s
@@ -132,8 +137,11 @@ class RequestWatchdog:
         self._stop.set()
 
     def begin_test(self, nodeid: str, allowed: bool) -> None:
+        """From now on, requests and reports count against ``nodeid``; so does what was found
+        between tests (in a module fixture's setup or teardown, or sent by an earlier test)."""
         with self._lock:
             self._current_test, self._allowed = nodeid, allowed
+            self._unanswered = [(nodeid if test == BETWEEN_TESTS else test, text) for test, text in self._unanswered]
 
     def recorded(self, nodeid: str) -> list[str]:
         """What went unanswered so far during the test, allowed or not."""
@@ -145,7 +153,7 @@ class RequestWatchdog:
         with self._lock:
             found = [text for test, text in self._unanswered if test == nodeid]
             self._unanswered = [(test, text) for test, text in self._unanswered if test != nodeid]
-            allowed, self._current_test = self._allowed, "(between tests)"
+            allowed, self._current_test, self._allowed = self._allowed, BETWEEN_TESTS, False
         return [] if allowed else found
 
     # ---- tracking ---------------------------------------------------------------------------
@@ -170,9 +178,12 @@ class RequestWatchdog:
             if entry.reported:
                 return
             entry.reported = True
-            # A request found overdue after its own test ended counts against the test running now.
-            test = entry.test if entry.test == self._current_test else self._current_test
-            self._unanswered.append((test, entry.describe(outcome)))
+            # Counted against the test running now: the sender's, or (if it sent the request from
+            # a thread that outlived it) the one that is running when the deadline passes.
+            self._unanswered.append((self._current_test, entry.describe(outcome)))
+            allowed = self._allowed
+        if allowed:
+            return  # expected: no stacks to print, no worker to disturb
         print(f"\n[request watchdog] UNANSWERED {entry.describe(outcome)}\n{_thread_stacks()}\n{self._dump_workers()}",
               file=sys.stderr, flush=True)
 
