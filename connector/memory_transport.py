@@ -63,33 +63,33 @@ class MemoryTransport(Transport):
     def _covers(self, addr: int, length: int) -> bool:
         return any(base <= addr and addr + length <= base + size for base, size in self._regions.items())
 
-    def _refusal(self, peer_session: str, src: int, dst: int, length: int) -> str:
-        """Why this range cannot be written now ("" when it can); ``_lock`` held."""
+    def _check(self, peer_session: str, ranges: list[tuple[int, int, int]]) -> None:
+        """Raise unless every ``(src, dst, length)`` range can be written now; ``_lock`` held."""
         peer = _live.get(peer_session)
-        if peer is None or peer._closed:
-            return f"peer {peer_session} unreachable"
-        if not self._covers(src, length):
-            return f"source {src:#x}+{length} is not registered memory"
-        if not peer._covers(dst, length):
-            return f"{length} bytes at {dst:#x} are not registered by {peer_session}"
-        return ""
+        for src, dst, length in ranges:
+            if peer is None or peer._closed:
+                why = f"peer {peer_session} unreachable"
+            elif not self._covers(src, length):
+                why = f"source {src:#x}+{length} is not registered memory"
+            elif not peer._covers(dst, length):
+                why = f"{length} bytes at {dst:#x} are not registered by {peer_session}"
+            else:
+                continue
+            raise TransferError(f"write of {sum(r[2] for r in ranges)} bytes to {peer_session}: {why}")
 
     def write(self, peer_session: str, src_addrs: list[int], dst_addrs: list[int], lengths: list[int]) -> None:
-        nbytes = sum(lengths)
+        ranges = list(zip(src_addrs, dst_addrs, lengths, strict=True))
         with _lock:
             if self._closed:
                 raise TransferError("transport is closed")
-            for src, dst, length in zip(src_addrs, dst_addrs, lengths, strict=True):  # as at submit
-                if why := self._refusal(peer_session, src, dst, length):
-                    raise TransferError(f"write of {nbytes} bytes to {peer_session}: {why}")
+            self._check(peer_session, ranges)  # as Mooncake refuses at submit
             self._writes += 1
         try:
             if self._link_bytes_per_s:
-                time.sleep(nbytes / self._link_bytes_per_s)
-            with _lock:
-                for src, dst, length in zip(src_addrs, dst_addrs, lengths, strict=True):
-                    if why := self._refusal(peer_session, src, dst, length):
-                        raise TransferError(f"write of {nbytes} bytes to {peer_session}: {why}")
+                time.sleep(sum(lengths) / self._link_bytes_per_s)
+            with _lock:  # again at the copy: a region released meanwhile is never touched
+                self._check(peer_session, ranges)
+                for src, dst, length in ranges:
                     ctypes.memmove(dst, src, length)
         finally:
             with _lock:
