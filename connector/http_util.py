@@ -7,7 +7,7 @@ import ipaddress
 import json
 import re
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
 
 from aiohttp import web
@@ -30,14 +30,17 @@ def asleep_error(role: str) -> TransferFailure:
 
 def json_error(status: int, message: str, headers: dict[str, str] | None = None,
                kind: FailureKind | None = None) -> web.Response:
-    body = {"error": message, "status": status, **({"kind": kind.value} if kind else {})}
-    return web.json_response(body, status=status, headers=headers)
+    return web.json_response(error_body(status, message, kind), status=status, headers=headers)
 
 
-def sleep_params(request: web.Request) -> tuple[int, bool]:
+def error_body(status: int, message: str, kind: FailureKind | None = None) -> dict:
+    return {"error": message, "status": status, **({"kind": kind.value} if kind else {})}
+
+
+def sleep_params(query: Mapping[str, str]) -> tuple[int, bool]:
     """``level`` (1 or 2, default 1) and ``preserve_state`` (default false) of ``POST /sleep``."""
-    level = request.query.get("level", "1")
-    preserve = request.query.get("preserve_state", "false").lower()
+    level = query.get("level", "1")
+    preserve = query.get("preserve_state", "false").lower()
     if level not in ("1", "2"):
         raise HTTPError(400, f"level must be 1 or 2, got {level!r}")
     if preserve not in ("true", "false", "1", "0"):
@@ -45,15 +48,20 @@ def sleep_params(request: web.Request) -> tuple[int, bool]:
     return int(level), preserve in ("true", "1")
 
 
+def wake_params(query: Mapping[str, str]) -> bool:
+    """``discard_checkpoint`` (default false) of ``POST /wake_up``."""
+    return query.get("discard_checkpoint", "false").lower() in ("true", "1")
+
+
 def add_sleep_routes(app: web.Application, worker) -> None:
     """``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping`` over a worker's methods."""
 
     async def sleep(request: web.Request) -> web.Response:
-        level, preserve = sleep_params(request)
+        level, preserve = sleep_params(request.query)
         return web.json_response(await asyncio.to_thread(worker.sleep, level, preserve))
 
     async def wake_up(request: web.Request) -> web.Response:
-        discard = request.query.get("discard_checkpoint", "false").lower() in ("true", "1")
+        discard = wake_params(request.query)
         return web.json_response(await asyncio.to_thread(worker.wake_up, discard))
 
     async def is_sleeping(_request: web.Request) -> web.Response:
@@ -68,14 +76,21 @@ def add_sleep_routes(app: web.Application, worker) -> None:
 async def errors_as_json(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
     try:
         return await handler(request)
-    except HTTPError as exc:
-        return json_error(exc.status, exc.message, exc.headers)
-    except TransferFailure as exc:  # a request that failed: its kind says the status
-        return json_error(exc.kind.http_status, str(exc), exc.kind.headers(), exc.kind)
-    except CheckpointError as exc:  # a wake-up refused its checkpoint; nothing was loaded
-        return json_error(422, f"{exc}; fix or remove it, or wake with discard_checkpoint=true")
+    except (HTTPError, TransferFailure, CheckpointError) as exc:
+        return json_error(*error_reply(exc))
     except web.HTTPException as exc:
         return json_error(exc.status, exc.reason or "error")
+
+
+def error_reply(exc: HTTPError | TransferFailure | CheckpointError
+                ) -> tuple[int, str, dict[str, str], FailureKind | None]:
+    """The status, message, headers and failure kind an error of ours is answered with."""
+    if isinstance(exc, HTTPError):
+        return exc.status, exc.message, exc.headers, None
+    if isinstance(exc, TransferFailure):  # a request that failed: its kind says the status
+        return exc.kind.http_status, str(exc), exc.kind.headers(), exc.kind
+    # a wake-up refused its checkpoint; nothing was loaded
+    return 422, f"{exc}; fix or remove it, or wake with discard_checkpoint=true", {}, None
 
 
 async def read_json(request: web.Request, required: dict[str, type | tuple[type, ...]]) -> dict:

@@ -28,17 +28,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SGLANG_READY = "The server is fired up and ready to roll!"  # after SGLang's log prefix: matched anywhere
+
+
 class WorkerProcess:
     """One worker process; ``url`` is its HTTP address once ``READY`` was printed."""
 
     def __init__(self, mode: str, *extra: str, command: tuple[str, ...] = (sys.executable, "-m", "sglang_ext.launch_server"),
                  timeout: float = 120.0, env: dict[str, str] | None = None, bootstrap_port: int | None = None,
-                 port: int | None = None, trusted_media: bool = True) -> None:
+                 port: int | None = None, trusted_media: bool = True, ready: str = "READY ") -> None:
         """``command`` is what starts a worker: ours by default, or SGLang's launchers. It gets free
         ports (HTTP, and bootstrap for an encode worker) unless ``port`` and ``bootstrap_port``
         name them (a restart). An encode worker reads images under the temp directory and from
-        loopback URLs (where tests and scripts put them) unless ``trusted_media`` is false."""
-        self.mode, self.port = mode, port or free_port()
+        loopback URLs (where tests and scripts put them) unless ``trusted_media`` is false. It is
+        up once a log line starts with ``ready`` (SGLang's own server: :data:`SGLANG_READY`)."""
+        self.mode, self.port, self.ready_marker = mode, port or free_port(), ready
         self.bootstrap_port = (bootstrap_port or free_port()) if mode == "encode" else None
         args = [*command, "--disaggregation-mode", mode, "--host", "127.0.0.1",
                 "--port", str(self.port), *extra]
@@ -61,7 +65,8 @@ class WorkerProcess:
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
-            ready = [line for line in self.log if line.startswith("READY ")]
+            ready = [line for line in self.log
+                     if line.startswith(self.ready_marker) or (self.ready_marker == SGLANG_READY and SGLANG_READY in line)]
             if ready:
                 self.ready_line = ready[-1]
                 return

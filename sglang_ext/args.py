@@ -7,6 +7,7 @@ and then to the built-in default; ``--help`` shows the value in effect.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from connector.buffers import BufferPool
@@ -14,6 +15,7 @@ from connector.config import ENV_NAMES, ConnectorConfig
 from embedding_side.images import DEFAULT_DECODE_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_TIMEOUT_S
 
 MODES = ("encode", "language")
+LANGUAGE_BACKENDS = ("sglang", "native")
 DEFAULT_KV_TOKENS = 65536
 KV_HELP = ("bytes = tokens x 2 x layers x KV heads x head dim x dtype size: 2 KiB per token for the seeded "
            "1-layer model, 56 KiB for Qwen2.5-VL-7B in bf16, so the default is 128 MiB or 3.5 GiB; the "
@@ -58,6 +60,12 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                                  f"wait (default {DEFAULT_KV_TOKENS})")
     pool_bytes = BufferPool.bytes_for(d.num_blocks, d.block_size, d.hidden_size, d.dtype)
     e = parser.add_argument_group("language model (language side)")
+    e.add_argument("--language-backend", choices=LANGUAGE_BACKENDS, default=None,
+                   help="what generates: sglang = SGLang's own server (scheduler, paged KV, radix cache, chunked "
+                        "prefill, its native and OpenAI APIs) with embeddings from the resumable connector, the "
+                        "default under python -m sglang.launch_server / sglang serve; native = this project's "
+                        "engine (transformers), the only one of python -m sglang_ext.launch_server and of "
+                        "--language-model none")
     e.add_argument("--language-model", choices=["auto", "transformers", "none"], default="auto",
                    help="transformers: generate with the language model of --model-path; none: receive embeddings "
                         "and answer their digest (transfer-only); auto: transformers when --model-path is given "
@@ -74,7 +82,9 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
     g = parser.add_argument_group("embedding transfer")
     g.add_argument("--encoder", choices=["qwen", "fake"], default="qwen",
                    help="encode side: transformers Qwen2.5-VL tower, or the numpy fake for tests (default %(default)s)")
-    g.add_argument("--hidden-size", type=int, default=d.hidden_size, help="embedding width (default %(default)s)")
+    g.add_argument("--hidden-size", type=int, default=None,
+                   help=f"embedding width: the language model's hidden size, read from --model-path's config.json "
+                        f"(else {d.hidden_size}); give it only to override")
     g.add_argument("--embedding-cache-buffer-size", type=int, default=d.num_blocks, metavar="BLOCKS",
                    help=f"blocks per pool, env {ENV_NAMES['num_blocks']} (default %(default)s = "
                         f"{pool_bytes / 2**20:.0f} MiB at hidden {d.hidden_size} {d.dtype})")
@@ -144,11 +154,31 @@ def resolve_mode(args: argparse.Namespace) -> str:
     return wanted.pop()
 
 
+def embedding_width(args: argparse.Namespace) -> int:
+    """``--hidden-size``, else the width ``--model-path``'s config.json gives the language model (what
+    its vision tower's merger outputs), else the built-in default."""
+    if args.hidden_size is not None:
+        return args.hidden_size
+    if getattr(args, "model_path", None):
+        path = os.path.join(args.model_path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+            width = (config.get("text_config") or {}).get("hidden_size") or config.get("hidden_size") \
+                or (config.get("vision_config") or {}).get("out_hidden_size")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise SystemExit(f"error: cannot read the embedding width from {path}: {exc}") from None
+        if not isinstance(width, int) or width <= 0:
+            raise SystemExit(f"error: {path} names no hidden_size; pass --hidden-size")
+        return width
+    return ConnectorConfig.hidden_size
+
+
 def connector_config(args: argparse.Namespace) -> ConnectorConfig:
     if args.tp_size != 1:
         raise SystemExit(f"--tp-size {args.tp_size}: only 1 is supported by the encode/language workers")
     return ConnectorConfig(
-        host=args.host, hidden_size=args.hidden_size, block_size=args.multimodal_block_size,
+        host=args.host, hidden_size=embedding_width(args), block_size=args.multimodal_block_size,
         num_blocks=args.embedding_cache_buffer_size, default_allocate_tokens=args.embedding_default_allocate_buffer_size,
         protocol=args.mooncake_protocol, ib_device=args.disaggregation_ib_device or "",
         bootstrap_timeout=args.bootstrap_timeout, waiting_timeout=args.waiting_timeout,

@@ -37,6 +37,9 @@ class Built:
 def build(args: argparse.Namespace) -> Built:
     """The worker ``args`` ask for and its app: what :func:`run` serves, and what the fast test
     tier serves in-process."""
+    if getattr(args, "language_backend", None) == "sglang":
+        raise SystemExit("error: --language-backend sglang runs SGLang's own server: start it with "
+                         "python -m sglang.launch_server --disaggregation-mode language (this launcher runs native)")
     try:
         config = connector_config(args)
     except ValueError as exc:

@@ -23,7 +23,9 @@ from importlib import metadata
 SUPPORTED = ">=0.5.21,<0.6"
 _MIN, _BELOW = (0, 5, 21), (0, 6)
 OUR_MODES = ("encode", "language")
-HOOK_TARGETS = ("sglang.srt.server_args.ServerArgs.add_cli_args", "sglang.srt.server_args.prepare_server_args")
+HOOK_TARGETS = ("sglang.srt.server_args.ServerArgs.add_cli_args", "sglang.srt.server_args.prepare_server_args",
+                "sglang.srt.managers.tokenizer_manager.TokenizerManager.init_disaggregation",
+                "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request")
 # SGLang transfer backends and the Mooncake protocol each maps to (None: from --mooncake-protocol)
 BACKENDS = {"mooncake": None, "mooncake_tcp": "tcp"}
 
@@ -50,6 +52,8 @@ def register() -> None:
 
     HookRegistry.register(HOOK_TARGETS[0], _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(HOOK_TARGETS[1], _around_prepare_server_args, HookType.AROUND)
+    HookRegistry.register(HOOK_TARGETS[2], _around_init_disaggregation, HookType.AROUND)
+    HookRegistry.register(HOOK_TARGETS[3], _after_abort_request, HookType.AFTER)
 
 
 def _unsupported(message: str) -> None:
@@ -77,10 +81,33 @@ def _around_prepare_server_args(original, argv, *args, **kwargs):
     server_args = original(argv, *args, **kwargs)
     if our_mode(server_args) is None:
         return server_args
+    ours = worker_args(server_args, argv)
+    if ours.language_backend == "sglang":  # SGLang's own server, fed by our connector
+        from sglang_ext.language_server import arm, sglang_argv
+
+        sglang_args = original(sglang_argv(argv), *args, **kwargs)
+        arm(ours)
+        return sglang_args
     from sglang_ext.launch_server import run
 
-    run(worker_args(server_args, argv))
+    run(ours)
     sys.exit(0)
+
+
+def _around_init_disaggregation(original, manager, *args, **kwargs):
+    if sys.modules.get("sglang_ext.language_server") is None:  # nothing armed in this process
+        return original(manager, *args, **kwargs)
+    from sglang_ext.language_server import around_init_disaggregation
+
+    return around_init_disaggregation(original, manager, *args, **kwargs)
+
+
+def _after_abort_request(result, manager, *args, **kwargs):
+    if sys.modules.get("sglang_ext.language_server") is not None:
+        from sglang_ext.language_server import after_abort_request
+
+        return after_abort_request(result, manager, *args, **kwargs)
+    return result
 
 
 def our_mode(server_args) -> str | None:
@@ -117,4 +144,9 @@ def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
     ours.max_queued_requests = server_args.max_queued_requests or ConnectorConfig.from_env().max_queued_requests
     ours.allowed_media_domains = server_args.allowed_media_domains or None
     ours.encoder_urls = getattr(server_args, "encoder_urls", None) or None
+    if ours.language_backend is None:
+        ours.language_backend = "native" if ours.disaggregation_mode != "language" or ours.language_model == "none" \
+            or not ours.model_path else "sglang"
+    if ours.language_backend == "sglang" and ours.language_model == "none":
+        raise SystemExit("error: --language-model none (transfer-only) runs on --language-backend native")
     return ours

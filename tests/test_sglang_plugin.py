@@ -34,7 +34,8 @@ import sglang_ext.launch_server as launcher
 launcher.run = lambda args: print("WORKER " + json.dumps(vars(args), sort_keys=True))
 from sglang.srt.server_args import prepare_server_args
 server_args = prepare_server_args(sys.argv[1:])
-print("SGLANG " + json.dumps({k: repr(v) for k, v in sorted(vars(server_args).items()) if not k.startswith("_")}))
+print("SGLANG " + json.dumps({k: repr(getattr(server_args, k)) for k in sorted(type(server_args).__struct_fields__)
+                              if not k.startswith("_")}))
 """
 
 
@@ -59,7 +60,7 @@ def test_help_lists_our_modes_and_flags() -> None:
     for flag in ("--embedding-cache-buffer-size", "--multimodal-block-size", "--checkpoint-dir",
                  "--queue-while-sleeping", "--resume-timeout", "--staging-bytes", "--queue-timeout",
                  "--max-queued-requests", "--allowed-local-media-path", "--allowed-media-domains",
-                 "--allow-private-media-urls", "--max-image-pixels"):
+                 "--allow-private-media-urls", "--max-image-pixels", "--language-backend"):
         assert flag in out
 
 
@@ -95,11 +96,35 @@ def test_upstream_epd_flags_are_aliases_of_our_modes(checkpoint) -> None:
     assert encode.returncode == 0, encode.stderr[-2000:]
     assert line(encode.stdout, "WORKER")["disaggregation_mode"] == "encode" and "SGLANG " not in encode.stdout
     language = parse("--model-path", checkpoint, "--language-only", "--encoder-urls", "http://10.0.0.1:30001",
-                     "http://10.0.0.2:30001")
+                     "http://10.0.0.2:30001", "--language-backend", "native")
     assert language.returncode == 0, language.stderr[-2000:]
     args = line(language.stdout, "WORKER")
     assert args["disaggregation_mode"] == "language"
     assert args["encoder_urls"] == ["http://10.0.0.1:30001", "http://10.0.0.2:30001"]
+
+
+@pytest.mark.parametrize("mode", [("--disaggregation-mode", "language"), ("--language-only",),
+                                  ("--disaggregation-mode=language",)], ids=["mode", "language_only", "mode="])
+def test_the_language_mode_is_sglangs_own_server_by_default(checkpoint, mode) -> None:
+    """With a model, our language mode is SGLang's server in its language-only mode, with the
+    transfer backend our receiver takes the place of; SGLang validated the flags itself."""
+    res = parse("--model-path", checkpoint, *mode, "--encoder-urls", "http://10.0.0.1:30001", "--port", "31241",
+                "--embedding-cache-buffer-size", "40")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "WORKER " not in res.stdout  # our own engine never started
+    sglang = line(res.stdout, "SGLANG")
+    assert {k: sglang[k] for k in ("language_only", "encoder_transfer_backend", "encoder_urls", "disaggregation_mode",
+                                    "port", "device", "attention_backend")} == {
+        "language_only": "True", "encoder_transfer_backend": "'zmq_to_tokenizer'",
+        "encoder_urls": "['http://10.0.0.1:30001']", "disaggregation_mode": "'null'", "port": "31241",
+        "device": "'cpu'", "attention_backend": "'torch_native'"}
+
+
+def test_our_own_launcher_refuses_the_sglang_backend() -> None:
+    res = subprocess.run([sys.executable, "-m", "sglang_ext.launch_server", "--disaggregation-mode", "language",
+                          "--language-backend", "sglang"], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "start it with python -m sglang.launch_server --disaggregation-mode language" in res.stderr
 
 
 def test_unsupported_backend_in_our_modes_is_a_clear_error() -> None:
@@ -167,9 +192,10 @@ def test_4k_image_through_workers_started_by_sglang(command, checkpoint, images)
 
 
 def test_a_language_worker_started_by_sglang_generates_the_model_tokens(checkpoint) -> None:
-    """``--model-path`` through SGLang's launcher reaches our language engine (and its KV budget)."""
+    """``--model-path`` through SGLang's launcher reaches our language engine (and its KV budget)
+    with ``--language-backend native``."""
     language = WorkerProcess("language", "--model-path", checkpoint, "--max-total-tokens", "2048",
-                             command=SGLANG_LAUNCH)
+                             "--language-backend", "native", command=SGLANG_LAUNCH)
     try:
         assert "kv_budget=2048 tokens" in language.ready_line
         text = "<|im_start|>user\nHello from SGLang.<|im_end|>\n<|im_start|>assistant\n"

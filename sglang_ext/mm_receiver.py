@@ -1,0 +1,112 @@
+"""The resumable connector as the way image embeddings reach SGLang's language server.
+
+SGLang's tokenizer manager, in language-only mode with the ``zmq_to_tokenizer`` transfer
+backend, awaits ``mm_receiver.recv_mm_data(...)`` for every request that has images and hands
+the multimodal inputs it returns to the scheduler: that call is the hook. Here it sends the
+request's images to the encoders of ``--encoder-urls`` (split by load, failover, the embedding
+cache: :class:`language_side.dispatch.EncoderDispatch`), receives each part through as many
+resume rounds as it needs into this worker's block-aligned pool, and builds SGLang's inputs
+from the rows and grids with the model's own processor (``get_validated_mm_data``: placeholder
+expansion, M-RoPE positions, row counts checked). From there the request is SGLang's: radix
+cache (the item hash is the embedding's), chunked prefill, continuous batching.
+
+A failure is a ``ValueError`` carrying ``status_code``, which SGLang's HTTP server answers with
+that status (or, for a stream, as an error event): the encoder's 4xx about an image passes
+through, an encoder that cannot be had is 502, this worker's own refusals keep their status
+(503 asleep or overloaded, 413 too large).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from connector.failures import TransferFailure
+from language_side.dispatch import EncoderDispatch, ImageRefused
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddingUnavailable(ValueError):
+    """A request's images could not be embedded; ``status_code`` is the HTTP status SGLang answers."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def image_sources(image_data: Any) -> list[str]:
+    """The image references of one request, in prompt order: strings (path, ``file://``,
+    ``http(s)://``, ``data:``), SGLang's ``ImageData`` or ``{"url": ...}``, nested lists flattened."""
+    if image_data is None:
+        return []
+    items = image_data if isinstance(image_data, (list, tuple)) else [image_data]
+    sources: list[str] = []
+    for item in items:
+        if isinstance(item, (list, tuple)):
+            sources += image_sources(item)
+            continue
+        if item is None:
+            continue
+        url = item.get("url") if isinstance(item, dict) else getattr(item, "url", item)
+        if not isinstance(url, str) or not url:
+            raise EmbeddingUnavailable(400, f"an image must be given by a string (path, URL or data: URI), "
+                                            f"not {type(url).__name__}")
+        sources.append(url)
+    return sources
+
+
+class ResumableReceiver:
+    """What SGLang's tokenizer manager calls ``mm_receiver`` (see the module docstring)."""
+
+    def __init__(self, dispatch: EncoderDispatch, dtype: torch.dtype) -> None:
+        self.dispatch, self.dtype = dispatch, dtype
+        self._embedding: dict[str, asyncio.Task] = {}  # rid -> its images at the encoders
+
+    async def recv_mm_data(self, request_obj, mm_processor, prompt, need_wait_for_mm_inputs: bool = True):
+        if request_obj.video_data or request_obj.audio_data:
+            raise EmbeddingUnavailable(400, "this language worker's encoders take images only (no video or audio)")
+        images = image_sources(request_obj.image_data)
+        if not images or not need_wait_for_mm_inputs:
+            return None
+        rid = str(request_obj.rid)
+        task = self._embedding[rid] = asyncio.ensure_future(self.dispatch.embed(rid, images))
+        try:
+            embedded = await task
+        except ImageRefused as exc:
+            raise EmbeddingUnavailable(exc.status, str(exc)) from None
+        except TransferFailure as exc:
+            raise EmbeddingUnavailable(exc.kind.http_status, str(exc)) from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # the client went away: SGLang's handler is cancelled
+                raise
+            raise EmbeddingUnavailable(499, f"request {rid}: aborted by /abort_request") from None
+        finally:
+            self._embedding.pop(rid, None)
+        meta = embedded.meta
+        log.info("rid=%s: %d image tokens from %s, %d resume rounds, transfer %.0f ms, %d cached image(s)", rid,
+                 len(embedded.rows), meta.get("encoders"), meta.get("resume_rounds", 0), meta.get("transfer_ms", 0.0),
+                 meta.get("cached_images", 0))
+        # the rows are bf16 bytes [tokens, hidden * 2], as they crossed the wire
+        embedding = torch.from_numpy(np.ascontiguousarray(embedded.rows)).view(torch.bfloat16).to(self.dtype)
+        grids = torch.tensor(embedded.grids, dtype=torch.long)
+        from sglang.srt.managers.schedule_batch import Modality
+
+        try:
+            return mm_processor.get_validated_mm_data(prompt, {Modality.IMAGE: embedding}, img_grid_thw=grids)
+        except (RuntimeError, ValueError, IndexError) as exc:  # placeholders and images disagree
+            raise EmbeddingUnavailable(400, f"the prompt's image placeholders do not match its {len(images)} "
+                                            f"image(s): {exc}") from None
+
+    def abort(self, rid: str) -> bool:
+        """``/abort_request`` for a request still waiting for its embedding: its rooms end, each
+        encoder is told."""
+        task = self._embedding.get(str(rid))
+        if task is None:
+            return False
+        task.cancel()
+        return True

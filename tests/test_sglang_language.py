@@ -1,0 +1,180 @@
+"""SGLang's own server as the language worker (``--disaggregation-mode language`` through
+``python -m sglang.launch_server``), fed by our encode worker through the resumable connector.
+
+One encode worker and one SGLang language server for the module (SGLang takes about a minute to
+start on this CPU). Every generated id is checked against transformers' monolithic ``generate``
+from the pixels on the same checkpoint, through SGLang's native ``/generate``, its stream and
+its OpenAI API (the official ``openai`` client).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import sys
+
+import pytest
+import requests
+from monolithic import reference_tokens
+from transfer_large_image import make_image
+from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+from workers import SGLANG_READY, WorkerProcess
+
+from embedding_side.encoders import QwenVisionEncoder
+
+pytestmark = pytest.mark.sglang
+
+SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
+NEW_TOKENS = 12
+PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "3840x2160": (3840, 2160)}
+
+
+@pytest.fixture(scope="module")
+def folder(seeded_checkpoint) -> str:
+    return seeded_checkpoint(256, layers=2)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("sglang-images")
+    paths = {}
+    for i, (name, (w, h)) in enumerate(SIZES.items()):
+        paths[name] = str(root / f"{name}.png")
+        make_image(w, h, seed=40 + i).save(paths[name])
+    paths["other"] = str(root / "other.png")
+    make_image(640, 336, seed=60).save(paths["other"])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def workers(folder):
+    encode = WorkerProcess("encode", "--model-path", folder)
+    try:
+        language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url,
+                                 "--max-total-tokens", "32768", "--skip-server-warmup",
+                                 command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
+    except BaseException:
+        encode.stop()
+        raise
+    yield encode, language
+    language.stop()
+    encode.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    encoder = QwenVisionEncoder(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
+
+    def tokens(paths: list[str], new_tokens: int = NEW_TOKENS) -> list[int]:
+        from PIL import Image
+
+        pictures = [Image.open(p).convert("RGB") for p in paths]
+        return reference_tokens(model, encoder, tokenizer, prompt(len(paths)), pictures, new_tokens)
+
+    return tokens
+
+
+def prompt(n_images: int) -> str:
+    return PROMPT.format(images=IMAGE * n_images)
+
+
+def generate(language: WorkerProcess, paths: list[str], rid: str, **extra) -> requests.Response:
+    body = {"rid": rid, "text": prompt(len(paths)), "image_data": paths,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}} | extra
+    return requests.post(f"{language.url}/generate", json=body, timeout=240)
+
+
+def resume_rounds(language: WorkerProcess, rid: str) -> int:
+    """What the connector logged for ``rid``'s embedding."""
+    found = [re.search(r"(\d+) resume rounds", line) for line in language.log if f"rid={rid}:" in line]
+    assert found and found[-1], f"no transfer logged for {rid}"
+    return int(found[-1].group(1))
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_greedy_ids_equal_monolithic(workers, images, reference, size) -> None:
+    """448x448 fits the default allocation; 3840x2160 (10,560 image tokens) needs a resume round,
+    and its prompt is prefilled in SGLang's chunks (4096 tokens by default)."""
+    _, language = workers
+    answer = generate(language, [images[size]], f"mono-{size}")
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["output_ids"] == reference([images[size]])
+    assert body["meta_info"]["completion_tokens"] == NEW_TOKENS
+    assert resume_rounds(language, f"mono-{size}") == (1 if size == "3840x2160" else 0)
+
+
+def test_two_images_in_one_prompt_equal_monolithic(workers, images, reference) -> None:
+    _, language = workers
+    paths = [images["other"], images["448x448"]]
+    answer = generate(language, paths, "two-images")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["output_ids"] == reference(paths)
+
+
+def test_a_repeated_image_is_served_from_the_radix_cache(workers, images, reference) -> None:
+    """Same image, same embedding, same hash: the second request's prompt is a cache hit."""
+    _, language = workers
+    first = generate(language, [images["1920x1080"]], "radix-1").json()
+    second = generate(language, [images["1920x1080"]], "radix-2").json()
+    assert second["output_ids"] == first["output_ids"] == reference([images["1920x1080"]])
+    assert second["meta_info"]["cached_tokens"] >= second["meta_info"]["prompt_tokens"] - 8, second["meta_info"]
+
+
+def test_the_stream_is_sglangs_own(workers, images, reference) -> None:
+    """``stream: true``: SGLang's events (``meta_info`` in each), ending in ``[DONE]``."""
+    _, language = workers
+    answer = requests.post(f"{language.url}/generate", stream=True, timeout=240, json={
+        "rid": "stream", "text": prompt(1), "image_data": images["448x448"], "stream": True,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
+    assert answer.status_code == 200
+    events = [line[len(b"data: "):] for line in answer.iter_lines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("meta_info" in c for c in chunks)
+    ids = chunks[-1]["output_ids"] if len(chunks[-1]["output_ids"]) == NEW_TOKENS else \
+        [t for c in chunks for t in c["output_ids"]]
+    assert ids == reference([images["448x448"]])
+
+
+def test_the_openai_client_gets_logprobs_and_n(workers, images, reference, folder) -> None:
+    from openai import OpenAI
+
+    _, language = workers
+    data = base64.b64encode(open(images["448x448"], "rb").read()).decode()
+    client = OpenAI(base_url=f"{language.url}/v1", api_key="none", timeout=240, max_retries=0)
+    reply = client.chat.completions.create(
+        model=folder, max_tokens=NEW_TOKENS, temperature=0, logprobs=True, top_logprobs=2, n=2,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+                                               {"type": "text", "text": "Describe it."}]}],
+        extra_body={"ignore_eos": True})
+    assert len(reply.choices) == 2
+    assert reply.usage.completion_tokens == 2 * NEW_TOKENS
+    for choice in reply.choices:
+        assert len(choice.logprobs.content) == NEW_TOKENS
+        assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+
+
+def test_an_image_the_encoder_refuses_is_the_clients_error(workers) -> None:
+    _, language = workers
+    answer = generate(language, ["/etc/shadow"], "refused")
+    assert answer.status_code == 400, answer.text
+    assert "only read inside --allowed-local-media-path" in answer.json()["error"]["message"]
+    assert generate(language, [], "text-after", text="Hello").status_code == 200
+
+
+def test_an_encoders_death_is_a_clear_error_and_the_server_lives_on(workers, images) -> None:
+    """Last in the module: the encoder is stopped. Its request gets 502 at once; SGLang's server
+    keeps serving text."""
+    encode, language = workers
+    encode.stop()
+    answer = generate(language, [images["448x448"]], "no-encoder")
+    assert answer.status_code == 502, answer.text
+    assert "no encoder could encode" in answer.json()["error"]["message"]
+    text = generate(language, [], "text-only", text="Hello")
+    assert text.status_code == 200 and len(text.json()["output_ids"]) == NEW_TOKENS
