@@ -98,7 +98,7 @@ class ResumableReceiver:
 
         try:
             return mm_processor.get_validated_mm_data(prompt, {Modality.IMAGE: embedding}, img_grid_thw=grids)
-        except (RuntimeError, ValueError, IndexError) as exc:  # placeholders and images disagree
+        except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as exc:  # placeholders disagree
             raise EmbeddingUnavailable(400, f"the prompt's image placeholders do not match its {len(images)} "
                                             f"image(s): {exc}") from None
 

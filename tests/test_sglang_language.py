@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -160,8 +162,30 @@ def test_the_openai_client_gets_logprobs_and_n(workers, images, reference, folde
         assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
 
 
-def test_an_image_the_encoder_refuses_is_the_clients_error(workers) -> None:
+@pytest.mark.parametrize("backend,dataset", [("sglang", "image"), ("sglang-oai-chat", "image"),
+                                             ("sglang-oai", "random-ids")])
+def test_sglangs_benchmark_client_gets_every_token(workers, folder, backend, dataset) -> None:
+    """SGLang's own benchmark client, unmodified: 8 requests (images of 448x448 where its image
+    dataset takes the backend; it refuses sglang-oai), every one successful with exactly its 16
+    tokens (the client sends ignore_eos)."""
     _, language = workers
+    out = subprocess.run([sys.executable, "-m", "sglang.benchmark.serving", "--backend", backend, "--host", "127.0.0.1",
+                          "--port", str(language.port), "--model", folder, "--tokenizer", folder, "--dataset-name",
+                          dataset, "--num-prompts", "8", "--image-count", "1", "--image-resolution", "448x448",
+                          "--random-input-len", "32", "--random-output-len", "16", "--random-range-ratio", "1"],
+                         capture_output=True, text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"^Successful requests:\s+8\s*$", out.stdout, re.M), out.stdout[-3000:]
+    assert re.search(r"^Total generated tokens:\s+128\s*$", out.stdout, re.M), out.stdout[-3000:]
+
+
+def test_an_image_the_encoder_refuses_is_the_clients_error(workers, images) -> None:
+    """The encoder's 400 passes through; a prompt whose placeholders the images do not fill is 400
+    too, not a server error."""
+    _, language = workers
+    mismatch = generate(language, [images["448x448"]], "mismatch", text="<|video_pad|> hi")
+    assert mismatch.status_code == 400, mismatch.text
+    assert "image placeholders do not match its 1 image(s)" in mismatch.json()["error"]["message"]
     answer = generate(language, ["/etc/shadow"], "refused")
     assert answer.status_code == 400, answer.text
     assert "only read inside --allowed-local-media-path" in answer.json()["error"]["message"]
