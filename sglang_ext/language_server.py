@@ -33,6 +33,8 @@ OUR_MODE_FLAGS = ("--disaggregation-mode", "--language-only", "--encoder-transfe
 SGLANG_FLAGS = ("--language-only", "--encoder-transfer-backend", "zmq_to_tokenizer")
 
 _pending: argparse.Namespace | None = None  # our flags, until this process's tokenizer manager starts
+_connector = None  # the connector's LanguageWorker, once started in this process
+_last_sleep: dict = {}  # what the connector reported of its last sleep (our /sleep answers it)
 
 
 def sglang_argv(argv: list[str]) -> list[str]:
@@ -71,8 +73,25 @@ def around_init_disaggregation(original, manager, *args, **kwargs):
 
     with get_disagg().override(language_only=False):  # SGLang's part without its encoder side
         result = original(manager, *args, **kwargs)
-    manager.mm_receiver = _start_receiver(_pending, manager.model_config.dtype)
+    manager.mm_receiver = _start_receiver(_pending, manager)
     return result
+
+
+async def around_pause_generation(original, manager, obj, *args, **kwargs):
+    """SGLang pauses first (no token after this), then the connector sleeps: its transfers are
+    kept unless the pause aborts everything (``mode="abort"``), and its pool is released."""
+    result = await original(manager, obj, *args, **kwargs)
+    if _connector is not None:
+        _last_sleep.clear()
+        _last_sleep.update(await asyncio.to_thread(_connector.sleep, 1, obj.mode != "abort"))
+    return result
+
+
+async def around_continue_generation(original, manager, obj, *args, **kwargs):
+    """The connector wakes first (its pool back, kept transfers resumed), then SGLang continues."""
+    if _connector is not None:
+        await asyncio.to_thread(_connector.wake_up)
+    return await original(manager, obj, *args, **kwargs)
 
 
 def after_abort_request(result, manager, rid: str = "", *args, **kwargs):
@@ -82,7 +101,7 @@ def after_abort_request(result, manager, rid: str = "", *args, **kwargs):
     return result
 
 
-def _start_receiver(ours: argparse.Namespace, dtype):
+def _start_receiver(ours: argparse.Namespace, manager):
     from language_side.consumers import EmbeddingCopy
     from language_side.dispatch import EncoderDispatch
     from language_side.embedding_cache import EmbeddingCache
@@ -90,43 +109,77 @@ def _start_receiver(ours: argparse.Namespace, dtype):
     from sglang_ext.args import connector_config
     from sglang_ext.mm_receiver import ResumableReceiver
 
+    global _connector
     config = connector_config(ours)
-    worker = LanguageWorker(config, checkpoint_dir=ours.checkpoint_dir, queue_while_sleeping=ours.queue_while_sleeping,
+    worker = _connector = LanguageWorker(config, checkpoint_dir=ours.checkpoint_dir, queue_while_sleeping=ours.queue_while_sleeping,
                             consumer=EmbeddingCopy())
     dispatch = EncoderDispatch(ours.encoder_urls or [], worker, EmbeddingCache(ours.image_embedding_cache_bytes))
-    _add_routes(worker, dispatch)
+    _add_routes(manager, worker, dispatch)
     log.info("epd-resume: SGLang's server is the language worker; embeddings arrive through the resumable connector "
              "(zmq=tcp://%s:%d mooncake=%s pool=%dx%d tokens, encoders=%s)", config.host, worker.receivers.rank_port,
              worker.transport.session_id, config.num_blocks, config.block_size, ",".join(ours.encoder_urls or []))
-    return ResumableReceiver(dispatch, dtype)
+    return ResumableReceiver(dispatch, manager.model_config.dtype)
 
 
-def _add_routes(worker, dispatch) -> None:
-    """The connector's routes on SGLang's FastAPI app, with the same parameters and errors as our
-    own workers' (``connector.http_util``)."""
+def _add_routes(manager, worker, dispatch) -> None:
+    """Our sleep routes and the connector's state on SGLang's FastAPI app, with the same
+    parameters and errors as our own workers' (``connector.http_util``).
+
+    ``/sleep?level=1|2&preserve_state=...`` is SGLang's ``pause_generation``, which the hook above
+    extends to the connector: level 1 pauses ``in_place`` (running requests keep their KV and go on
+    exactly where they stood), level 2 ``retract``s them (KV freed, recomputed from prompt and
+    tokens on continue) and releases SGLang's memory occupation (KV cache and weights where its
+    memory saver can; on CPU its cache is flushed); ``preserve_state=false`` aborts every request
+    (``abort``). ``/wake_up`` is the reverse."""
     from fastapi.responses import ORJSONResponse, Response
     from sglang.srt.entrypoints.http_server import app
 
     from connector.checkpoint import CheckpointError
     from connector.failures import TransferFailure
-    from connector.http_util import HTTPError, error_body, error_reply, sleep_params, wake_params
+    from connector.http_util import HTTPError, error_body, error_reply, sleep_params
 
-    async def answer(call, *args):
-        try:
-            return ORJSONResponse(await asyncio.to_thread(call, *args))
-        except (HTTPError, TransferFailure, CheckpointError) as exc:
-            status, message, headers, kind = error_reply(exc)
-            return ORJSONResponse(error_body(status, message, kind), status_code=status, headers=headers)
+    from sglang.srt.managers.io_struct import (
+        ContinueGenerationReqInput,
+        PauseGenerationReqInput,
+        ReleaseMemoryOccupationReqInput,
+        ResumeMemoryOccupationReqInput,
+    )
+
+    released = False  # SGLang's memory occupation, by a level-2 sleep
+
+    def refused(exc: Exception) -> ORJSONResponse:
+        status, message, headers, kind = error_reply(exc)
+        return ORJSONResponse(error_body(status, message, kind), status_code=status, headers=headers)
 
     async def sleep(request: Request):
+        nonlocal released
         try:
             level, preserve = sleep_params(request.query_params)
         except HTTPError as exc:
-            return ORJSONResponse(error_body(exc.status, exc.message), status_code=exc.status)
-        return await answer(worker.sleep, level, preserve)
+            return refused(exc)
+        if worker.is_sleeping():
+            return ORJSONResponse({"changed": False, "is_sleeping": True})
+        try:
+            mode = ("in_place" if level == 1 else "retract") if preserve else "abort"
+            await manager.pause_generation(PauseGenerationReqInput(mode=mode))
+        except (HTTPError, TransferFailure, CheckpointError) as exc:  # the connector stayed awake
+            await manager.continue_generation(ContinueGenerationReqInput())
+            return refused(exc)
+        if level == 2 and not released:
+            await manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None)
+            released = True
+        return ORJSONResponse(dict(_last_sleep) | {"level": level})
 
     async def wake_up(request: Request):
-        return await answer(worker.wake_up, wake_params(request.query_params))
+        nonlocal released
+        if released:
+            await manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None)
+            released = False
+        try:
+            await manager.continue_generation(ContinueGenerationReqInput())
+        except (HTTPError, TransferFailure, CheckpointError) as exc:
+            return refused(exc)
+        return ORJSONResponse({"changed": True, "is_sleeping": worker.is_sleeping()})
 
     async def health():
         return ORJSONResponse(worker.health())

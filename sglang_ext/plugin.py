@@ -25,7 +25,9 @@ _MIN, _BELOW = (0, 5, 21), (0, 6)
 OUR_MODES = ("encode", "language")
 HOOK_TARGETS = ("sglang.srt.server_args.ServerArgs.add_cli_args", "sglang.srt.server_args.prepare_server_args",
                 "sglang.srt.managers.tokenizer_manager.TokenizerManager.init_disaggregation",
-                "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request")
+                "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
+                "sglang.srt.managers.tokenizer_manager.TokenizerManager.pause_generation",
+                "sglang.srt.managers.tokenizer_manager.TokenizerManager.continue_generation")
 # SGLang transfer backends and the Mooncake protocol each maps to (None: from --mooncake-protocol)
 BACKENDS = {"mooncake": None, "mooncake_tcp": "tcp"}
 
@@ -54,6 +56,8 @@ def register() -> None:
     HookRegistry.register(HOOK_TARGETS[1], _around_prepare_server_args, HookType.AROUND)
     HookRegistry.register(HOOK_TARGETS[2], _around_init_disaggregation, HookType.AROUND)
     HookRegistry.register(HOOK_TARGETS[3], _after_abort_request, HookType.AFTER)
+    HookRegistry.register(HOOK_TARGETS[4], _around_pause_generation, HookType.AROUND)
+    HookRegistry.register(HOOK_TARGETS[5], _around_continue_generation, HookType.AROUND)
 
 
 def _unsupported(message: str) -> None:
@@ -108,6 +112,22 @@ def _after_abort_request(result, manager, *args, **kwargs):
 
         return after_abort_request(result, manager, *args, **kwargs)
     return result
+
+
+def _around_pause_generation(original, manager, *args, **kwargs):
+    if sys.modules.get("sglang_ext.language_server") is None:
+        return original(manager, *args, **kwargs)
+    from sglang_ext.language_server import around_pause_generation
+
+    return around_pause_generation(original, manager, *args, **kwargs)
+
+
+def _around_continue_generation(original, manager, *args, **kwargs):
+    if sys.modules.get("sglang_ext.language_server") is None:
+        return original(manager, *args, **kwargs)
+    from sglang_ext.language_server import around_continue_generation
+
+    return around_continue_generation(original, manager, *args, **kwargs)
 
 
 def our_mode(server_args) -> str | None:

@@ -15,6 +15,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -177,6 +180,71 @@ def test_sglangs_benchmark_client_gets_every_token(workers, folder, backend, dat
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"^Successful requests:\s+8\s*$", out.stdout, re.M), out.stdout[-3000:]
     assert re.search(r"^Total generated tokens:\s+128\s*$", out.stdout, re.M), out.stdout[-3000:]
+
+
+def test_sleep_and_wake_keep_a_request_waiting_for_its_embedding(workers, images, reference) -> None:
+    """``/sleep?preserve_state=true`` while a 4K image is at the encoder: SGLang pauses
+    (retract), the connector keeps the room and releases its pool; after ``/wake_up`` the
+    transfer goes on (with its resume round) and the answer equals monolithic."""
+    _, language = workers
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(generate, language, [images["3840x2160"]], "sleep-transfer")
+        time.sleep(0.3)  # the encoder is still encoding it
+        slept = requests.post(f"{language.url}/sleep", params={"preserve_state": "true"}, timeout=120)
+        assert slept.status_code == 200, slept.text
+        assert slept.json()["is_sleeping"] and slept.json()["kept_requests"] == 1, slept.json()
+        time.sleep(1.0)
+        assert not pending.done()
+        woke = requests.post(f"{language.url}/wake_up", timeout=120)
+        assert woke.status_code == 200 and woke.json()["is_sleeping"] is False, woke.text
+        answer = pending.result(timeout=240)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["output_ids"] == reference([images["3840x2160"]])
+    assert resume_rounds(language, "sleep-transfer") >= 1  # its resume round, and one more after the wake-up
+
+
+def test_sleep_and_wake_mid_decode_lose_no_token(workers, images, reference) -> None:
+    """A stream asleep (level 1: SGLang pauses in place, its KV kept) in the middle of its decode
+    ends with the tokens the same request gets without a sleep, whose first ones are monolithic's
+    (160 greedy tokens of the random seeded model part from transformers' at a near tie of bf16
+    logits, sleep or not: SGLang and transformers round differently)."""
+    _, language = workers
+    new_tokens = 160
+    answer = requests.post(f"{language.url}/generate", stream=True, timeout=240, json={
+        "rid": "sleep-decode", "text": prompt(1), "image_data": images["448x448"], "stream": True,
+        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}})
+    chunks: list[tuple[float, dict]] = []  # (arrival, event)
+    started = threading.Event()
+
+    def read() -> None:
+        for line in answer.iter_lines():
+            if line.startswith(b"data: {"):
+                chunks.append((time.monotonic(), json.loads(line[6:])))
+                if len(chunks) == 3:
+                    started.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(120)
+    slept = requests.post(f"{language.url}/sleep", params={"preserve_state": "true"}, timeout=120)
+    asleep_at = time.monotonic()
+    assert slept.status_code == 200, slept.text
+    time.sleep(0.5)
+    woke_at = time.monotonic()
+    assert requests.post(f"{language.url}/wake_up", timeout=120).status_code == 200
+    reader.join(240)
+    # no token while asleep (one generated before the pause may still be on its way for a moment)
+    assert not any(asleep_at + 0.1 < t < woke_at for t, _ in chunks)
+    assert any(t > woke_at for t, _ in chunks)  # it was mid-decode: tokens came after the wake-up
+    chunks = [c for _, c in chunks]
+    final = chunks[-1]
+    assert final["meta_info"]["completion_tokens"] == new_tokens
+    assert final["meta_info"]["num_retractions"] == 0  # in place: nothing recomputed
+    ids = final["output_ids"] if len(final["output_ids"]) == new_tokens else [t for c in chunks for t in c["output_ids"]]
+    awake = generate(language, [images["448x448"]], "no-sleep-decode",
+                     sampling_params={"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}).json()
+    assert ids == awake["output_ids"]
+    assert ids[:NEW_TOKENS] == reference([images["448x448"]])
 
 
 def test_an_image_the_encoder_refuses_is_the_clients_error(workers, images) -> None:
