@@ -133,17 +133,16 @@ def _add_routes(manager, worker, dispatch) -> None:
     (``abort``). ``/wake_up`` is the reverse."""
     from fastapi.responses import ORJSONResponse, Response
     from sglang.srt.entrypoints.http_server import app
-
-    from connector.checkpoint import CheckpointError
-    from connector.failures import TransferFailure
-    from connector.http_util import HTTPError, error_body, error_reply, sleep_params
-
     from sglang.srt.managers.io_struct import (
         ContinueGenerationReqInput,
         PauseGenerationReqInput,
         ReleaseMemoryOccupationReqInput,
         ResumeMemoryOccupationReqInput,
     )
+
+    from connector.checkpoint import CheckpointError
+    from connector.failures import TransferFailure
+    from connector.http_util import HTTPError, error_body, error_reply, sleep_params
 
     released = False  # SGLang's memory occupation, by a level-2 sleep
 
