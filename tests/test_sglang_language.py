@@ -247,6 +247,63 @@ def test_sleep_and_wake_mid_decode_lose_no_token(workers, images, reference) -> 
     assert ids[:NEW_TOKENS] == reference([images["448x448"]])
 
 
+def test_a_level_2_sleep_retracts_and_every_token_still_comes(workers, images) -> None:
+    """Level 2: SGLang retracts the running stream (its KV freed) and releases its memory
+    occupation; after the wake-up it recomputes the KV and the stream ends with all its tokens,
+    the ones sent before the sleep unchanged."""
+    _, language = workers
+    new_tokens = 160
+    awake = generate(language, [images["448x448"]], "no-sleep-l2",
+                     sampling_params={"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}).json()
+    answer = requests.post(f"{language.url}/generate", stream=True, timeout=240, json={
+        "rid": "sleep-l2", "text": prompt(1), "image_data": images["448x448"], "stream": True,
+        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}})
+    chunks: list[dict] = []
+    lines = answer.iter_lines()
+    for line in lines:
+        if line.startswith(b"data: {"):
+            chunks.append(json.loads(line[6:]))
+            if len(chunks) == 3:
+                break
+    slept = requests.post(f"{language.url}/sleep", params={"level": "2", "preserve_state": "true"}, timeout=120)
+    assert slept.status_code == 200, slept.text
+    assert slept.json()["level"] == 2 and slept.json()["is_sleeping"]
+    before = [t for c in chunks for t in c["output_ids"]]
+    assert requests.post(f"{language.url}/wake_up", timeout=120).status_code == 200
+    for line in lines:
+        if line.startswith(b"data: {"):
+            chunks.append(json.loads(line[6:]))
+    final = chunks[-1]
+    assert final["meta_info"]["completion_tokens"] == new_tokens
+    ids = final["output_ids"] if len(final["output_ids"]) == new_tokens else [t for c in chunks for t in c["output_ids"]]
+    assert len(ids) == new_tokens and ids[:len(before)] == awake["output_ids"][:len(before)]
+
+
+def test_abort_reaches_a_request_waiting_for_its_embedding(workers, images) -> None:
+    """SGLang's ``/abort_request`` for a request whose 4K image is still at the encoder: the
+    client is answered at once and the connector's room ends (its pool is all free again)."""
+    _, language = workers
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(generate, language, [images["3840x2160"]], "abort-waiting")
+        time.sleep(0.3)
+        aborted_at = time.monotonic()
+        assert requests.post(f"{language.url}/abort_request", json={"rid": "abort-waiting"}, timeout=30).status_code \
+            == 200
+        answer = pending.result(timeout=60)
+    assert time.monotonic() - aborted_at < 10
+    assert answer.status_code == 499, answer.text
+    assert "aborted by /abort_request" in answer.json()["error"]["message"]
+    deadline = time.monotonic() + 30
+    while not all_free(health := requests.get(f"{language.url}/epd/health", timeout=10).json()) and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all_free(health), health
+
+
+def all_free(health: dict) -> bool:
+    return health["free_blocks"] == health["num_blocks"] and not health["transferring"] and not health["queued"]
+
+
 def test_an_image_the_encoder_refuses_is_the_clients_error(workers, images) -> None:
     """The encoder's 400 passes through; a prompt whose placeholders the images do not fill is 400
     too, not a server error."""
