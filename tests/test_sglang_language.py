@@ -18,13 +18,14 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
 from monolithic import reference_tokens
 from transfer_large_image import make_image
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-from workers import SGLANG_READY, WorkerProcess
+from workers import SGLANG_READY, WorkerProcess, free_port
 
 from embedding_side.encoders import QwenVisionEncoder
 
@@ -302,6 +303,52 @@ def test_abort_reaches_a_request_waiting_for_its_embedding(workers, images) -> N
 
 def all_free(health: dict) -> bool:
     return health["free_blocks"] == health["num_blocks"] and not health["transferring"] and not health["queued"]
+
+
+def test_smg_in_front_of_two_language_workers_answers_as_they_do(workers, folder, images, tmp_path) -> None:
+    """The smg gateway (plain routing, round robin over ``--worker-urls``) in front of two
+    SGLang language workers fed by one encoder: native and OpenAI answers through it equal the
+    direct ones, and both workers serve."""
+    encode, language = workers
+    direct = generate(language, [images["other"]], "smg-direct").json()["output_ids"]
+    second = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url, "--max-total-tokens",
+                           "32768", "--skip-server-warmup", command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
+    port = free_port()
+    with open(tmp_path / "smg.log", "w") as log:
+        router = subprocess.Popen([str(Path(sys.executable).parent / "smg"), "launch", "--worker-urls", language.url,
+                                   second.url, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+                                   "--prometheus-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert router.poll() is None and time.monotonic() < deadline, (tmp_path / "smg.log").read_text()[-3000:]
+            try:
+                if requests.get(f"{url}/readiness", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        body = {"text": prompt(1), "image_data": images["other"],
+                "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+        for i in range(4):
+            answer = requests.post(f"{url}/generate", json=body | {"rid": f"smg-{i}"}, timeout=240)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["output_ids"] == direct
+        served = [sum(f"rid=smg-{i}:" in line for i in range(4) for line in w.log) for w in (language, second)]
+        assert all(served) and sum(served) == 4, served
+        data = base64.b64encode(open(images["other"], "rb").read()).decode()
+        chat = {"model": folder, "max_tokens": NEW_TOKENS, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+            {"type": "text", "text": "Describe it."}]}]}
+        answers = [requests.post(f"{u}/v1/chat/completions", json=chat, timeout=240) for u in (language.url, url, url)]
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+        texts = [a.json()["choices"][0]["message"]["content"] for a in answers]
+        assert texts[0] == texts[1] == texts[2]
+    finally:
+        router.terminate()
+        router.wait(30)
+        second.stop()
 
 
 def test_an_image_the_encoder_refuses_is_the_clients_error(workers, images) -> None:
