@@ -28,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-SGLANG_READY = "The server is fired up and ready to roll!"  # after SGLang's log prefix: matched anywhere
+SGLANG_READY = "The server is fired up and ready to roll!"  # what SGLang's server logs once it serves
 
 
 class WorkerProcess:
@@ -41,7 +41,8 @@ class WorkerProcess:
         ports (HTTP, and bootstrap for an encode worker) unless ``port`` and ``bootstrap_port``
         name them (a restart). An encode worker reads images under the temp directory and from
         loopback URLs (where tests and scripts put them) unless ``trusted_media`` is false. It is
-        up once a log line starts with ``ready`` (SGLang's own server: :data:`SGLANG_READY`)."""
+        up once a log line starts with ``READY `` (ours), or holds ``ready`` (SGLang's own server:
+        :data:`SGLANG_READY`)."""
         self.mode, self.port, self.ready_marker = mode, port or free_port(), ready
         self.bootstrap_port = (bootstrap_port or free_port()) if mode == "encode" else None
         args = [*command, "--disaggregation-mode", mode, "--host", "127.0.0.1",
@@ -65,8 +66,8 @@ class WorkerProcess:
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
-            ready = [line for line in self.log
-                     if line.startswith(self.ready_marker) or (self.ready_marker == SGLANG_READY and SGLANG_READY in line)]
+            ready = [line for line in self.log if (line.startswith("READY ") if self.ready_marker == "READY "
+                                                   else self.ready_marker in line)]
             if ready:
                 self.ready_line = ready[-1]
                 return

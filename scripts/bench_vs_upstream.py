@@ -1,0 +1,263 @@
+"""Ours against upstream SGLang EPD, side by side in one run, on one checkpoint and the same images.
+
+* ours: this project's encode worker + SGLang's own language server fed by the resumable
+  connector (``python -m sglang.launch_server --disaggregation-mode language --encoder-urls``);
+* upstream: SGLang's ``--encoder-only`` server + ``--language-only --encoder-urls
+  --encoder-transfer-backend zmq_to_scheduler`` (its ``mooncake`` backend allocates on ``cuda:``),
+  started with this project's plugin turned off (``SGLANG_PLUGINS=none``).
+
+One stack at a time (this machine has 2 cores), each warmed up with one small request. For each
+image size: the time to first token and the total of one streamed request (16 new tokens);
+then 8 concurrent 1920x1080 requests (distinct images: median and slowest TTFT, wall time);
+then a 3-turn chat on one 4K image sent as a ``data:`` URI each turn (TTFT per turn: a repeated
+image should be a cache hit). A sampler reads the resident memory of each stack's encoder and
+language process trees every 0.2 s; a stack whose total passes ``--max-rss-gb`` is killed (that
+request fails) and started again for the next one. Prints a table per stack, then the ratios ours/upstream and which sizes each
+could serve; the last line is ``ours_vs_upstream_ttft_448=<x>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import psutil  # noqa: E402
+import requests  # noqa: E402
+from make_checkpoint import write_checkpoint  # noqa: E402
+from transfer_large_image import make_image  # noqa: E402
+from workers import SGLANG_READY, WorkerProcess  # noqa: E402
+
+SGLANG = (sys.executable, "-m", "sglang.launch_server")
+SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "2560x1440": (2560, 1440), "3840x2160": (3840, 2160)}
+NEW_TOKENS = 16
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def chat_text(turns: list[tuple[str, str]], question: str) -> str:
+    """Qwen's chat layout: the image in the first user turn, then the turns so far."""
+    text = ""
+    for i, (asked, answered) in enumerate(turns + [(question, "")]):
+        text += f"<|im_start|>user\n{IMAGE if i == 0 else ''}{asked}<|im_end|>\n<|im_start|>assistant\n"
+        if answered or i < len(turns):
+            text += f"{answered}<|im_end|>\n"
+    return text
+
+
+class Memory:
+    """Peak resident memory of process trees, sampled; kills them all past ``limit`` bytes."""
+
+    def __init__(self, roots: dict[str, int], limit: float) -> None:
+        self.roots, self.limit = roots, limit
+        self.peak = {name: 0 for name in roots}
+        self.killed_at = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree_rss(self, pid: int) -> int:
+        try:
+            root = psutil.Process(pid)
+            return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+        except psutil.Error:
+            return 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            now = {name: self._tree_rss(pid) for name, pid in self.roots.items()}
+            for name, rss in now.items():
+                self.peak[name] = max(self.peak[name], rss)
+            if sum(now.values()) > self.limit and not self.killed_at:
+                self.killed_at = sum(now.values())
+                for pid in self.roots.values():
+                    try:
+                        for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+                            p.kill()
+                    except psutil.Error:
+                        pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def stream(url: str, text: str, images: list[str], rid: str) -> dict:
+    """One streamed ``/generate``: TTFT, total, ids (or the error)."""
+    start = time.perf_counter()
+    first, ids = None, []
+    try:
+        with requests.post(f"{url}/generate", stream=True, timeout=900, json={
+                "rid": rid, "text": text, "image_data": images, "stream": True,
+                "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}) as answer:
+            if answer.status_code != 200:
+                return {"error": f"{answer.status_code} {answer.text[:200]}"}
+            for line in answer.iter_lines():
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return {"error": str(event["error"])[:200]}
+                if first is None and event.get("output_ids"):
+                    first = time.perf_counter()
+                ids = event["output_ids"] if len(event["output_ids"]) >= len(ids) else ids + event["output_ids"]
+    except requests.RequestException as exc:
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    if first is None:
+        return {"error": "no token"}
+    return {"ttft": first - start, "total": time.perf_counter() - start, "ids": ids}
+
+
+def start_stack(kind: str, folder: str) -> tuple[WorkerProcess, WorkerProcess]:
+    if kind == "ours":
+        encode = WorkerProcess("encode", "--model-path", folder, timeout=300)
+        language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url,
+                                 "--max-total-tokens", "65536", "--skip-server-warmup", command=SGLANG, ready=SGLANG_READY,
+                                 timeout=300)
+        return encode, language
+    env = {"SGLANG_PLUGINS": "none"}
+    # WorkerProcess adds --disaggregation-mode MODE; SGLang's own EPD flags come after it and win
+    encode = WorkerProcess("null", "--encoder-only", "--model-path", folder, "--skip-server-warmup", command=SGLANG,
+                           ready="Uvicorn running on", env=env, timeout=300)
+    language = WorkerProcess("null", "--language-only", "--model-path", folder, "--encoder-urls", encode.url,
+                             "--encoder-transfer-backend", "zmq_to_scheduler", "--max-total-tokens", "65536",
+                             "--skip-server-warmup", command=SGLANG, ready=SGLANG_READY, env=env, timeout=300)
+    return encode, language
+
+
+class Stack:
+    """One stack's two servers and the memory sampler over them; started again after a kill."""
+
+    def __init__(self, kind: str, folder: str, limit: float) -> None:
+        self.kind, self.folder, self.limit = kind, folder, limit
+        self.peak: dict[str, int] = {"encoder": 0, "language": 0}
+        self.killed_at = 0.0
+        self._start()
+
+    def _start(self) -> None:
+        self.encode, self.language = start_stack(self.kind, self.folder)
+        self.memory = Memory({"encoder": self.encode.proc.pid, "language": self.language.proc.pid}, self.limit)
+
+    def up(self) -> str:
+        """The language server's URL, the stack started again if a kill or a crash ended it."""
+        if self.encode.proc.poll() is not None or self.language.proc.poll() is not None:
+            self.stop()
+            self._start()
+        return self.language.url
+
+    def stop(self) -> None:
+        self.memory.stop()
+        for name, rss in self.memory.peak.items():
+            self.peak[name] = max(self.peak[name], rss)
+        self.killed_at = self.killed_at or self.memory.killed_at
+        self.language.stop()
+        self.encode.stop()
+
+
+def measure(kind: str, folder: str, images: dict[str, str], chat_image: str, sizes: list[str], concurrent: int,
+            limit: float, log) -> dict:
+    stack = Stack(kind, folder, limit)
+    rows: dict = {"sizes": {}, "concurrent": None, "chat": []}
+    try:
+        warm = stream(stack.up(), chat_text([], "Hi."), [images["warmup"]], f"{kind}-warmup")
+        log(f"[{kind}] warm-up: " + (warm.get("error") or f"{warm['ttft']:.2f} s"))
+        for name in sizes:
+            row = rows["sizes"][name] = stream(stack.up(), chat_text([], "Describe it."), [images[name]],
+                                               f"{kind}-{name}")
+            log(f"[{kind}] {name}: " + (row.get("error") or f"TTFT {row['ttft']:.2f} s, total {row['total']:.2f} s"))
+        url = stack.up()
+        start = time.perf_counter()
+        with ThreadPoolExecutor(concurrent) as pool:
+            results = list(pool.map(lambda i: stream(url, chat_text([], "Describe it."), [images[f"hd{i}"]],
+                                                     f"{kind}-hd{i}"), range(concurrent)))
+        served = [r for r in results if "error" not in r]
+        rows["concurrent"] = {"served": len(served), "wall": time.perf_counter() - start,
+                              "ttft_p50": statistics.median(r["ttft"] for r in served) if served else None,
+                              "ttft_max": max((r["ttft"] for r in served), default=None)}
+        log(f"[{kind}] {concurrent} x 1920x1080: {rows['concurrent']}")
+        turns: list[tuple[str, str]] = []
+        for turn, question in enumerate(("Describe it.", "And the colours?", "Anything else?"), 1):
+            row = stream(stack.up(), chat_text(turns, question), [chat_image], f"{kind}-chat{turn}")
+            rows["chat"].append(row)
+            log(f"[{kind}] chat turn {turn}: " + (row.get("error") or f"TTFT {row['ttft']:.2f} s"))
+            if "error" in row:
+                break
+            turns.append((question, "ok"))
+    finally:
+        stack.stop()
+    rows["peak_rss"], rows["killed_at"] = stack.peak, stack.killed_at
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", help="a Qwen2.5-VL folder (default: the seeded one, hidden 3584, 1 layer)")
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--concurrent", type=int, default=8)
+    parser.add_argument("--max-rss-gb", type=float, default=16.0,
+                        help="a stack whose encoder + language memory passes this is killed (default %(default)s)")
+    parser.add_argument("--only", choices=["ours", "upstream"], help="measure one stack")
+    args = parser.parse_args()
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.model_path or str(write_checkpoint(Path(tmp) / "seeded", 3584))
+        images = {"warmup": f"{tmp}/warmup.png"}
+        make_image(224, 224, seed=7).save(images["warmup"])
+        for i, (name, (w, h)) in enumerate(SIZES.items()):
+            images[name] = f"{tmp}/{name}.png"
+            make_image(w, h, seed=10 + i).save(images[name])
+        for i in range(args.concurrent):
+            images[f"hd{i}"] = f"{tmp}/hd{i}.jpg"
+            make_image(1920, 1080, seed=100 + i).save(images[f"hd{i}"], quality=90)
+        make_image(3840, 2160, seed=99).save(f"{tmp}/chat.png")
+        chat_image = "data:image/png;base64," + base64.b64encode(Path(f"{tmp}/chat.png").read_bytes()).decode()
+        results = {kind: measure(kind, folder, images, chat_image, args.sizes, args.concurrent, args.max_rss_gb * 2**30,
+                                 log) for kind in ("ours", "upstream") if args.only in (None, kind)}
+    report(results, args.sizes)
+
+
+def report(results: dict, sizes: list[str]) -> None:
+    def cell(row: dict | None, key: str) -> str:
+        if not row:
+            return "-"
+        return "failed" if "error" in row else f"{row[key]:.2f}"
+
+    print(f"\n{'':22}" + "".join(f"{k + ' TTFT s':>16}{k + ' total s':>17}" for k in results))
+    for name in sizes:
+        print(f"{name:22}" + "".join(f"{cell(r['sizes'].get(name), 'ttft'):>16}{cell(r['sizes'].get(name), 'total'):>17}"
+                                      for r in results.values()))
+    for kind, r in results.items():
+        c = r["concurrent"] or {}
+        print(f"{kind}: concurrent 1920x1080 served {c.get('served')} in {c.get('wall', 0):.2f} s, TTFT p50 "
+              f"{c.get('ttft_p50')} max {c.get('ttft_max')}; chat TTFT per turn "
+              f"{[round(t['ttft'], 2) if 'ttft' in t else 'failed' for t in r['chat']]}; peak RSS GiB "
+              f"{ {k: round(v / 2**30, 2) for k, v in r['peak_rss'].items()} }"
+              + (f"; killed at {r['killed_at'] / 2**30:.1f} GiB" if r["killed_at"] else ""))
+        print(f"{kind}: served sizes {[n for n in sizes if 'ttft' in (r['sizes'].get(n) or {})]}")
+    if set(results) == {"ours", "upstream"}:
+        ours, up = results["ours"], results["upstream"]
+        for name in sizes:
+            a, b = ours["sizes"].get(name) or {}, up["sizes"].get(name) or {}
+            if "ttft" in a and "ttft" in b:
+                same = "same ids" if a["ids"] == b["ids"] else "ids differ"
+                print(f"ours_vs_upstream_ttft_{name}={a['ttft'] / b['ttft']:.2f} ({same})")
+        chat = [t.get("ttft") for t in ours["chat"]]
+        if len(chat) >= 2 and all(chat[:2]):
+            print(f"ours_turn1_vs_turn2_ttft={chat[0] / chat[1]:.1f}")
+        first = sizes[0]
+        a, b = ours["sizes"].get(first) or {}, up["sizes"].get(first) or {}
+        if "ttft" in a and "ttft" in b:
+            print(f"ours_vs_upstream_ttft_{first.split('x')[0]}={a['ttft'] / b['ttft']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
