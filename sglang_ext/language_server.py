@@ -3,16 +3,18 @@
 ``python -m sglang.launch_server --disaggregation-mode language --encoder-urls ...`` (and
 ``--language-only``, and ``sglang serve``) starts SGLang's HTTP server, tokenizer manager,
 scheduler and detokenizer on ``--model-path`` unchanged, in SGLang's language-only mode (no
-vision tower loaded) with the ``zmq_to_tokenizer`` transfer backend. Two hooks, both in the
-process that runs the tokenizer manager:
+vision tower loaded) with the ``zmq_to_tokenizer`` transfer backend. :func:`sglang_argv` turns
+our mode into SGLang's flags (the plugin re-parses them, so SGLang validates its own
+configuration); then four hooks on SGLang's ``TokenizerManager``, acting only in the process
+where :func:`arm` was called (the one that runs it):
 
-* :func:`sglang_argv` turns our mode into SGLang's flags (the plugin re-parses them, so SGLang
-  validates its own configuration);
-* around ``TokenizerManager.init_disaggregation``: SGLang's own set-up runs without its encoder
-  side (no bootstrap registry, no upstream receiver), then its ``mm_receiver`` becomes ours
+* around ``init_disaggregation``: SGLang's own set-up runs without its encoder side (no
+  bootstrap registry, no upstream receiver), then its ``mm_receiver`` becomes ours
   (:class:`sglang_ext.mm_receiver.ResumableReceiver`): the connector's language worker (pool,
-  Mooncake, ZMQ) and the encoder dispatch. ``/abort_request`` reaches a request still waiting for
-  its embedding.
+  Mooncake, ZMQ) and the encoder dispatch;
+* after ``abort_request``: a request still waiting for its embedding is cancelled;
+* around ``pause_generation`` / ``continue_generation``: the connector sleeps after SGLang
+  pauses and wakes before it continues.
 
 The connector's routes are added to SGLang's app beside its own: ``/sleep`` and ``/wake_up``
 (the connector's transfers) and ``/epd/health`` and ``/epd/metrics`` (rooms, pool, parts).
@@ -23,8 +25,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from fastapi import Request  # SGLang's server is FastAPI; this module runs only where it is installed
+
+if TYPE_CHECKING:
+    from language_side.worker import LanguageWorker
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +39,7 @@ OUR_MODE_FLAGS = ("--disaggregation-mode", "--language-only", "--encoder-transfe
 SGLANG_FLAGS = ("--language-only", "--encoder-transfer-backend", "zmq_to_tokenizer")
 
 _pending: argparse.Namespace | None = None  # our flags, until this process's tokenizer manager starts
-_connector = None  # the connector's LanguageWorker, once started in this process
+_connector: LanguageWorker | None = None  # the connector's language worker, once started here
 _last_sleep: dict = {}  # what the connector reported of its last sleep (our /sleep answers it)
 
 
@@ -111,8 +117,8 @@ def _start_receiver(ours: argparse.Namespace, manager):
 
     global _connector
     config = connector_config(ours)
-    worker = _connector = LanguageWorker(config, checkpoint_dir=ours.checkpoint_dir, queue_while_sleeping=ours.queue_while_sleeping,
-                            consumer=EmbeddingCopy())
+    worker = _connector = LanguageWorker(config, checkpoint_dir=ours.checkpoint_dir, consumer=EmbeddingCopy(),
+                                         queue_while_sleeping=ours.queue_while_sleeping)
     dispatch = EncoderDispatch(ours.encoder_urls or [], worker, EmbeddingCache(ours.image_embedding_cache_bytes))
     _add_routes(manager, worker, dispatch)
     log.info("epd-resume: SGLang's server is the language worker; embeddings arrive through the resumable connector "
