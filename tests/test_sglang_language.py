@@ -168,7 +168,7 @@ def test_the_openai_client_gets_logprobs_and_n(workers, images, reference, folde
 
 @pytest.mark.parametrize("backend,dataset", [("sglang", "image"), ("sglang-oai-chat", "image"),
                                              ("sglang-oai", "random-ids")])
-def test_sglangs_benchmark_client_gets_every_token(workers, folder, backend, dataset) -> None:
+def test_sglangs_benchmark_client_gets_every_token(workers, folder, backend, dataset, tmp_path) -> None:
     """SGLang's own benchmark client, unmodified: 8 requests (images of 448x448 where its image
     dataset takes the backend; it refuses sglang-oai), every one successful with exactly its 16
     tokens (the client sends ignore_eos)."""
@@ -177,7 +177,8 @@ def test_sglangs_benchmark_client_gets_every_token(workers, folder, backend, dat
                           "--port", str(language.port), "--model", folder, "--tokenizer", folder, "--dataset-name",
                           dataset, "--num-prompts", "8", "--image-count", "1", "--image-resolution", "448x448",
                           "--random-input-len", "32", "--random-output-len", "16", "--random-range-ratio", "1"],
-                         capture_output=True, text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                         capture_output=True, text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                         cwd=tmp_path)  # it writes its results file where it runs
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"^Successful requests:\s+8\s*$", out.stdout, re.M), out.stdout[-3000:]
     assert re.search(r"^Total generated tokens:\s+128\s*$", out.stdout, re.M), out.stdout[-3000:]
