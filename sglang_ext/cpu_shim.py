@@ -10,8 +10,9 @@ this module at start; it imports nothing heavy until asked for one of the two pa
 * ``sgl_kernel``: its published wheels are CUDA builds (they fail to load here) and SGLang's
   CPU engine imports a few of its names at import time (KV-copy and speculative-decoding
   helpers) without calling them for Qwen2.5-VL. When no real ``sgl_kernel`` can be found, a
-  stand-in module provides those names; calling any of them raises :class:`CpuShimCalled`.
-  It has no submodules, so ``import sgl_kernel.x`` fails as SGLang expects where a kernel is
+  stand-in module provides those names, and declares the four operators other models' modules
+  look up on ``torch.ops.sgl_kernel`` when imported; calling any of them raises
+  :class:`CpuShimCalled`. It has no submodules, so ``import sgl_kernel.x`` fails as SGLang expects where a kernel is
   optional (its layers then take their ``forward_native`` path).
 * torchvision's wheel here is a CUDA build whose C ops do not load; its Python part imports
   once the two operators its meta registrations name unconditionally (``torchvision::nms``,
