@@ -57,17 +57,30 @@ def images(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def workers(folder):
+    """The encoder and the SGLang language server every test uses; a second language server on
+    the same encoder (smg's second worker) starts beside the first, so both start in one wait."""
     encode = WorkerProcess("encode", "--model-path", folder)
-    try:
-        language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url,
-                                 "--max-total-tokens", "32768", "--skip-server-warmup",
-                                 command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
-    except BaseException:
+    language_args = ("language", "--model-path", folder, "--encoder-urls", encode.url, "--max-total-tokens", "32768",
+                     "--skip-server-warmup")
+    with ThreadPoolExecutor(2) as pool:
+        starting = [pool.submit(WorkerProcess, *language_args, command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
+                    for _ in range(2)]
+    failed = [f.exception() for f in starting if f.exception() is not None]
+    if failed:
+        for f in starting:
+            if f.exception() is None:
+                f.result().stop()
         encode.stop()
-        raise
+        raise failed[0]
+    language, second_language = (f.result() for f in starting)
+    SECOND.append(second_language)
     yield encode, language
+    second_language.stop()
     language.stop()
     encode.stop()
+
+
+SECOND: list[WorkerProcess] = []  # the second language server, for smg
 
 
 @pytest.fixture(scope="module")
@@ -166,22 +179,26 @@ def test_the_openai_client_gets_logprobs_and_n(workers, images, reference, folde
         assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
 
 
-@pytest.mark.parametrize("backend,dataset", [("sglang", "image"), ("sglang-oai-chat", "image"),
-                                             ("sglang-oai", "random-ids")])
-def test_sglangs_benchmark_client_gets_every_token(workers, folder, backend, dataset, tmp_path) -> None:
-    """SGLang's own benchmark client, unmodified: 8 requests (images of 448x448 where its image
-    dataset takes the backend; it refuses sglang-oai), every one successful with exactly its 16
+def test_sglangs_benchmark_client_gets_every_token(workers, folder, tmp_path) -> None:
+    """SGLang's own benchmark client, unmodified, with backends ``sglang`` and ``sglang-oai-chat`` on
+    its image dataset (448x448) and ``sglang-oai`` on random ids (the image dataset refuses that
+    backend itself), the three at once: 8 requests each, every one successful with exactly its 16
     tokens (the client sends ignore_eos)."""
     _, language = workers
-    out = subprocess.run([sys.executable, "-m", "sglang.benchmark.serving", "--backend", backend, "--host", "127.0.0.1",
-                          "--port", str(language.port), "--model", folder, "--tokenizer", folder, "--dataset-name",
-                          dataset, "--num-prompts", "8", "--image-count", "1", "--image-resolution", "448x448",
-                          "--random-input-len", "32", "--random-output-len", "16", "--random-range-ratio", "1"],
-                         capture_output=True, text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                         cwd=tmp_path)  # it writes its results file where it runs
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert re.search(r"^Successful requests:\s+8\s*$", out.stdout, re.M), out.stdout[-3000:]
-    assert re.search(r"^Total generated tokens:\s+128\s*$", out.stdout, re.M), out.stdout[-3000:]
+    runs = {}
+    for backend, dataset in (("sglang", "image"), ("sglang-oai-chat", "image"), ("sglang-oai", "random-ids")):
+        (tmp_path / backend).mkdir()
+        runs[backend] = subprocess.Popen(
+            [sys.executable, "-m", "sglang.benchmark.serving", "--backend", backend, "--host", "127.0.0.1", "--port",
+             str(language.port), "--model", folder, "--tokenizer", folder, "--dataset-name", dataset, "--num-prompts",
+             "8", "--image-count", "1", "--image-resolution", "448x448", "--random-input-len", "32",
+             "--random-output-len", "16", "--random-range-ratio", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path / backend)  # it writes a results file
+    for backend, run in runs.items():
+        out, _ = run.communicate(timeout=240)
+        assert run.returncode == 0, f"{backend}: {out[-3000:]}"
+        assert re.search(r"^Successful requests:\s+8\s*$", out, re.M), f"{backend}: {out[-3000:]}"
+        assert re.search(r"^Total generated tokens:\s+128\s*$", out, re.M), f"{backend}: {out[-3000:]}"
 
 
 def test_sleep_and_wake_keep_a_request_waiting_for_its_embedding(workers, images, reference) -> None:
@@ -312,8 +329,7 @@ def test_smg_in_front_of_two_language_workers_answers_as_they_do(workers, folder
     direct ones, and both workers serve."""
     encode, language = workers
     direct = generate(language, [images["other"]], "smg-direct").json()["output_ids"]
-    second = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url, "--max-total-tokens",
-                           "32768", "--skip-server-warmup", command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
+    second = SECOND[-1]
     port = free_port()
     with open(tmp_path / "smg.log", "w") as log:
         router = subprocess.Popen([str(Path(sys.executable).parent / "smg"), "launch", "--worker-urls", language.url,
@@ -349,7 +365,6 @@ def test_smg_in_front_of_two_language_workers_answers_as_they_do(workers, folder
     finally:
         router.terminate()
         router.wait(30)
-        second.stop()
 
 
 def test_an_image_the_encoder_refuses_is_the_clients_error(workers, images) -> None:
