@@ -10,7 +10,10 @@ One stack at a time (this machine has 2 cores), each warmed up with one small re
 image size: the time to first token and the total of one streamed request (16 new tokens);
 then 8 concurrent 1920x1080 requests (distinct images: median and slowest TTFT, wall time);
 then a 3-turn chat on one 4K image sent as a ``data:`` URI each turn (TTFT per turn: a repeated
-image should be a cache hit). A sampler reads the resident memory of each stack's encoder and
+image should be a cache hit); then 8 streams decoding, and the gaps between their tokens (ITL)
+while nothing else arrives and while a 4K request is encoded, transferred and prefilled (in
+SGLang's chunks: ``--language-args`` passes e.g. ``--chunked-prefill-size`` and
+``--enable-mixed-chunk`` to both language servers). A sampler reads the resident memory of each stack's encoder and
 language process trees every 0.2 s; a stack whose total passes ``--max-rss-gb`` is killed (that
 request fails) and started again for the next one. Prints a table per stack, then the ratios ours/upstream and which sizes each
 could serve; the last line is ``ours_vs_upstream_ttft_448=<x>``.
@@ -117,12 +120,64 @@ def stream(url: str, text: str, images: list[str], rid: str) -> dict:
     return {"ttft": first - start, "total": time.perf_counter() - start, "ids": ids}
 
 
-def start_stack(kind: str, folder: str) -> tuple[WorkerProcess, WorkerProcess]:
+def percentile(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+
+def itl_under_prefill(url: str, kind: str, small_image: str, big_image: str, streams: int, quiet_s: float = 4.0) -> dict:
+    """``streams`` streams decoding (448x448, ignore_eos); the gaps between their tokens over a
+    quiet window, then from sending a 4K request until its first token (its encode, transfer
+    and chunked prefill). Returns each window's p50/p99/max gap and the 4K request's TTFT."""
+    arrivals: list[list[float]] = [[] for _ in range(streams)]
+    done = threading.Event()
+
+    def decode(i: int) -> None:
+        try:
+            with requests.post(f"{url}/generate", stream=True, timeout=900, json={
+                    "rid": f"{kind}-itl{i}", "text": chat_text([], "Describe it."), "image_data": [small_image],
+                    "stream": True, "sampling_params": {"max_new_tokens": 3000, "temperature": 0,
+                                                        "ignore_eos": True}}) as answer:
+                for line in answer.iter_lines():
+                    if line.startswith(b"data: {"):
+                        arrivals[i].append(time.perf_counter())
+                    if done.is_set():
+                        return
+        except requests.RequestException:
+            return
+
+    threads = [threading.Thread(target=decode, args=(i,), daemon=True) for i in range(streams)]
+    for t in threads:
+        t.start()
+    deadline = time.perf_counter() + 600
+    while min(len(a) for a in arrivals) < 5 and time.perf_counter() < deadline and any(t.is_alive() for t in threads):
+        time.sleep(0.05)
+    quiet_from = time.perf_counter()
+    time.sleep(quiet_s)
+    big_from = time.perf_counter()
+    big = stream(url, chat_text([], "Describe it."), [big_image], f"{kind}-itl-4k")
+    big_to = time.perf_counter()
+    done.set()
+    for i in range(streams):
+        requests.post(f"{url}/abort_request", json={"rid": f"{kind}-itl{i}"}, timeout=30)
+    for t in threads:
+        t.join(60)
+
+    def window(start: float, end: float) -> dict:
+        gaps = [b - a for times in arrivals for a, b in zip(times[:-1], times[1:], strict=True) if start < b <= end]
+        return {"gaps": len(gaps), "p50": percentile(gaps, 0.5), "p99": percentile(gaps, 0.99),
+                "max": max(gaps, default=None)}
+
+    return {"quiet": window(quiet_from, big_from), "prefill": window(big_from, big_to),
+            "big": big.get("error") or f"TTFT {big['ttft']:.2f} s"}
+
+
+def start_stack(kind: str, folder: str, language_args: list[str]) -> tuple[WorkerProcess, WorkerProcess]:
     if kind == "ours":
         encode = WorkerProcess("encode", "--model-path", folder, timeout=300)
         language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url,
-                                 "--max-total-tokens", "65536", "--skip-server-warmup", command=SGLANG, ready=SGLANG_READY,
-                                 timeout=300)
+                                 "--max-total-tokens", "65536", "--skip-server-warmup", *language_args, command=SGLANG,
+                                 ready=SGLANG_READY, timeout=300)
         return encode, language
     env = {"SGLANG_PLUGINS": "none"}
     # WorkerProcess adds --disaggregation-mode MODE; SGLang's own EPD flags come after it and win
@@ -130,21 +185,21 @@ def start_stack(kind: str, folder: str) -> tuple[WorkerProcess, WorkerProcess]:
                            ready="Uvicorn running on", env=env, timeout=300)
     language = WorkerProcess("null", "--language-only", "--model-path", folder, "--encoder-urls", encode.url,
                              "--encoder-transfer-backend", "zmq_to_scheduler", "--max-total-tokens", "65536",
-                             "--skip-server-warmup", command=SGLANG, ready=SGLANG_READY, env=env, timeout=300)
+                             "--skip-server-warmup", *language_args, command=SGLANG, ready=SGLANG_READY, env=env, timeout=300)
     return encode, language
 
 
 class Stack:
     """One stack's two servers and the memory sampler over them; started again after a kill."""
 
-    def __init__(self, kind: str, folder: str, limit: float) -> None:
-        self.kind, self.folder, self.limit = kind, folder, limit
+    def __init__(self, kind: str, folder: str, limit: float, language_args: list[str]) -> None:
+        self.kind, self.folder, self.limit, self.language_args = kind, folder, limit, language_args
         self.peak: dict[str, int] = {"encoder": 0, "language": 0}
         self.killed_at = 0.0
         self._start()
 
     def _start(self) -> None:
-        self.encode, self.language = start_stack(self.kind, self.folder)
+        self.encode, self.language = start_stack(self.kind, self.folder, self.language_args)
         self.memory = Memory({"encoder": self.encode.proc.pid, "language": self.language.proc.pid}, self.limit)
 
     def up(self) -> str:
@@ -164,9 +219,9 @@ class Stack:
 
 
 def measure(kind: str, folder: str, images: dict[str, str], chat_image: str, sizes: list[str], concurrent: int,
-            limit: float, log) -> dict:
-    stack = Stack(kind, folder, limit)
-    rows: dict = {"sizes": {}, "concurrent": None, "chat": []}
+            limit: float, language_args: list[str], log) -> dict:
+    stack = Stack(kind, folder, limit, language_args)
+    rows: dict = {"sizes": {}, "concurrent": None, "chat": [], "itl": None}
     try:
         warm = stream(stack.up(), chat_text([], "Hi."), [images["warmup"]], f"{kind}-warmup")
         log(f"[{kind}] warm-up: " + (warm.get("error") or f"{warm['ttft']:.2f} s"))
@@ -192,6 +247,8 @@ def measure(kind: str, folder: str, images: dict[str, str], chat_image: str, siz
             if "error" in row:
                 break
             turns.append((question, "ok"))
+        rows["itl"] = itl_under_prefill(stack.up(), kind, images["448x448"], images["3840x2160"], concurrent)
+        log(f"[{kind}] ITL of {concurrent} streams, quiet then while a 3840x2160 request arrives: {rows['itl']}")
     finally:
         stack.stop()
     rows["peak_rss"], rows["killed_at"] = stack.peak, stack.killed_at
@@ -206,6 +263,8 @@ def main() -> None:
     parser.add_argument("--max-rss-gb", type=float, default=16.0,
                         help="a stack whose encoder + language memory passes this is killed (default %(default)s)")
     parser.add_argument("--only", choices=["ours", "upstream"], help="measure one stack")
+    parser.add_argument("--language-args", default="", help="more flags for both language servers, e.g. "
+                        "'--chunked-prefill-size 512 --enable-mixed-chunk'")
     args = parser.parse_args()
     log = lambda line: print(line, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
@@ -221,7 +280,7 @@ def main() -> None:
         make_image(3840, 2160, seed=99).save(f"{tmp}/chat.png")
         chat_image = "data:image/png;base64," + base64.b64encode(Path(f"{tmp}/chat.png").read_bytes()).decode()
         results = {kind: measure(kind, folder, images, chat_image, args.sizes, args.concurrent, args.max_rss_gb * 2**30,
-                                 log) for kind in ("ours", "upstream") if args.only in (None, kind)}
+                                 args.language_args.split(), log) for kind in ("ours", "upstream") if args.only in (None, kind)}
     report(results, args.sizes)
 
 
@@ -243,6 +302,11 @@ def report(results: dict, sizes: list[str]) -> None:
               f"{ {k: round(v / 2**30, 2) for k, v in r['peak_rss'].items()} }"
               + (f"; killed at {r['killed_at'] / 2**30:.1f} GiB" if r["killed_at"] else ""))
         print(f"{kind}: served sizes {[n for n in sizes if 'ttft' in (r['sizes'].get(n) or {})]}")
+        itl = r["itl"] or {}
+        if itl.get("quiet", {}).get("p99") and itl.get("prefill", {}).get("p99"):
+            print(f"{kind}: ITL p99 {itl['quiet']['p99'] * 1e3:.0f} ms quiet, {itl['prefill']['p99'] * 1e3:.0f} ms while "
+                  f"a 3840x2160 request arrives ({itl['big']}): {kind}_itl_p99_ratio="
+                  f"{itl['prefill']['p99'] / itl['quiet']['p99']:.2f}")
     if set(results) == {"ours", "upstream"}:
         ours, up = results["ours"], results["upstream"]
         for name in sizes:

@@ -12,25 +12,38 @@ where :func:`arm` was called (the one that runs it):
   bootstrap registry, no upstream receiver), then its ``mm_receiver`` becomes ours
   (:class:`sglang_ext.mm_receiver.ResumableReceiver`): the connector's language worker (pool,
   Mooncake, ZMQ) and the encoder dispatch;
-* after ``abort_request``: a request still waiting for its embedding is cancelled;
+* around ``generate_request``: while the connector sleeps, a new request gets 503 at once;
+* around ``abort_request``: a request still waiting for its embedding is cancelled;
 * around ``pause_generation`` / ``continue_generation``: the connector sleeps after SGLang
   pauses and wakes before it continues.
 
-The connector's routes are added to SGLang's app beside its own: ``/sleep`` and ``/wake_up``
-(the connector's transfers) and ``/epd/health`` and ``/epd/metrics`` (rooms, pool, parts).
+A 429 or 503 gets ``Retry-After`` (:class:`RetryAfter`). The connector's routes are added to
+SGLang's app beside its own: ``/sleep`` and ``/wake_up``
+(the connector's transfers) and ``/epd/health`` (rooms, pool, parts); ``/metrics`` serves the
+connector's ``epd_*`` metrics beside SGLang's own. A sixth hook, around the tokenizer manager's
+per-request response stream, adds the connector's ``resume_rounds`` and transfer timings to each
+response's ``meta_info``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import faulthandler
 import logging
+import signal
 from typing import TYPE_CHECKING
 
 from fastapi import Request  # SGLang's server is FastAPI; this module runs only where it is installed
 
+from connector.failures import FailureKind, TransferFailure
+from connector.http_util import HTTPError, asleep_error, error_body, error_reply, sleep_params
+
 if TYPE_CHECKING:
     from language_side.worker import LanguageWorker
+    from sglang_ext.generations import Restored
+    from sglang_ext.mm_receiver import ResumableReceiver
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +52,26 @@ OUR_MODE_FLAGS = ("--disaggregation-mode", "--language-only", "--encoder-transfe
 SGLANG_FLAGS = ("--language-only", "--encoder-transfer-backend", "zmq_to_tokenizer")
 
 _pending: argparse.Namespace | None = None  # our flags, until this process's tokenizer manager starts
-_connector: LanguageWorker | None = None  # the connector's language worker, once started here
-_last_sleep: dict = {}  # what the connector reported of its last sleep (our /sleep answers it)
+
+
+@dataclasses.dataclass
+class Connected:
+    """What runs beside SGLang in this process once its tokenizer manager has started."""
+
+    ours: argparse.Namespace
+    worker: LanguageWorker  # the connector's language side
+    receiver: ResumableReceiver
+    # started on a disk checkpoint of SGLang's generations: the first wake-up submits them again
+    restore_on_wake: bool
+    restored: Restored | None = None
+    last_sleep: dict = dataclasses.field(default_factory=dict)  # the connector's report of its last sleep
+
+    def geometry(self, manager) -> dict:
+        """What a checkpoint of SGLang's generations must match to be loaded here."""
+        return {"hidden_size": self.worker.config.hidden_size, "vocab_size": manager.model_config.vocab_size}
+
+
+_here: Connected | None = None
 
 
 def sglang_argv(argv: list[str]) -> list[str]:
@@ -70,6 +101,9 @@ def arm(ours: argparse.Namespace) -> None:
     """Our flags, for the tokenizer manager this process is about to start."""
     global _pending
     _pending = ours
+    # `kill -USR1 <pid>` writes every thread's stack to the log, as our own workers do (without
+    # a handler the signal would end SGLang's server)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def around_init_disaggregation(original, manager, *args, **kwargs):
@@ -85,46 +119,108 @@ def around_init_disaggregation(original, manager, *args, **kwargs):
 
 async def around_pause_generation(original, manager, obj, *args, **kwargs):
     """SGLang pauses first (no token after this), then the connector sleeps: its transfers are
-    kept unless the pause aborts everything (``mode="abort"``), and its pool is released."""
+    kept unless the pause aborts everything (``mode="abort"``), and its pool is released; with
+    ``--checkpoint-dir``, SGLang's unfinished generations are written beside its checkpoint."""
     result = await original(manager, obj, *args, **kwargs)
-    if _connector is not None:
-        _last_sleep.clear()
-        _last_sleep.update(await asyncio.to_thread(_connector.sleep, 1, obj.mode != "abort"))
+    if _here is None:
+        return result
+    preserve = obj.mode != "abort"
+    report = await asyncio.to_thread(_here.worker.sleep, 1, preserve)
+    if preserve and _here.ours.checkpoint_dir and report.get("changed"):
+        report |= await _write_generations(manager)
+    _here.last_sleep = report
     return result
 
 
+async def _write_generations(manager) -> dict:
+    from connector.checkpoint import save_or_explain
+    from sglang_ext import generations
+
+    saved = generations.snapshot(manager, _here.receiver)
+    written, why = await asyncio.to_thread(save_or_explain, _here.ours.checkpoint_dir, lambda: generations.save(
+        _here.ours.checkpoint_dir, saved, _here.geometry(manager)))
+    if written is None:
+        return {"generations_checkpoint_error": why}
+    log.info("%d unfinished generations written to %s (%d bytes): %s", len(saved), _here.ours.checkpoint_dir, written,
+             ", ".join(f"{g.rid} ({len(g.output_ids)} ids{', embedded' if g.rows is not None else ''})"
+                       for g in saved))
+    return {"checkpointed_generations": len(saved), "generations_checkpoint_bytes": written}
+
+
 async def around_continue_generation(original, manager, obj, *args, **kwargs):
-    """The connector wakes first (its pool back, kept transfers resumed), then SGLang continues."""
-    if _connector is not None:
-        await asyncio.to_thread(_connector.wake_up)
-    return await original(manager, obj, *args, **kwargs)
+    """The connector wakes first (its pool back, kept transfers resumed), then SGLang continues;
+    a worker started on a disk checkpoint then submits the generations it holds again. The
+    checkpoint of SGLang's generations is gone after a wake-up: SGLang goes on with its own."""
+    if _here is None:
+        return await original(manager, obj, *args, **kwargs)
+    await asyncio.to_thread(_here.worker.wake_up)
+    result = await original(manager, obj, *args, **kwargs)
+    if _here.ours.checkpoint_dir:
+        from connector import checkpoint
+        from sglang_ext import generations
+
+        if _here.restore_on_wake and checkpoint.exists(_here.ours.checkpoint_dir, generations.ROLE):
+            saved = generations.load(_here.ours.checkpoint_dir, _here.geometry(manager))  # CheckpointError: 422
+            _here.restored = generations.Restored(manager, _here.receiver)
+            _here.restored.start(saved)
+        _here.restore_on_wake = False
+        checkpoint.remove(_here.ours.checkpoint_dir, generations.ROLE)
+    return result
 
 
-def after_abort_request(result, manager, rid: str = "", *args, **kwargs):
-    receiver = getattr(manager, "mm_receiver", None)
-    if rid and hasattr(receiver, "abort"):
-        receiver.abort(rid)
+def around_generate_request(original, manager, obj, *args, **kwargs):
+    """A client asking again for a generation restored from disk gets its whole output; while the
+    connector sleeps, a new request is refused at once (503, ``Retry-After``) instead of waiting
+    in SGLang's pause without a bound (with ``--queue-while-sleeping`` it waits); every other
+    request is SGLang's, with its image transfer in ``meta_info``."""
+    if _here is None:
+        return original(manager, obj, *args, **kwargs)
+    if _here.restored is not None and _here.restored.claims(obj):
+        return _here.restored.answer(obj.rid)
+    if _here.worker.is_sleeping() and not _here.worker.gate.queue_while_sleeping:
+        return _refused(asleep_error("language"))
+    return _here.receiver.annotated(obj, original(manager, obj, *args, **kwargs))
+
+
+async def _refused(failure: TransferFailure):
+    from sglang_ext.mm_receiver import EmbeddingUnavailable
+
+    raise EmbeddingUnavailable(failure.kind.http_status, str(failure))
+    yield  # an async generator, as SGLang's generate_request is
+
+
+def around_abort_request(original, manager, rid: str = "", *args, **kwargs):
+    result = original(manager, rid, *args, **kwargs)
+    if rid and _here is not None:
+        _here.receiver.abort(rid)
     return result
 
 
 def _start_receiver(ours: argparse.Namespace, manager):
+    from connector import checkpoint
     from language_side.consumers import EmbeddingCopy
     from language_side.dispatch import EncoderDispatch
     from language_side.embedding_cache import EmbeddingCache
     from language_side.worker import LanguageWorker
+    from sglang_ext import generations
     from sglang_ext.args import connector_config
     from sglang_ext.mm_receiver import ResumableReceiver
 
-    global _connector
+    global _here
     config = connector_config(ours)
-    worker = _connector = LanguageWorker(config, checkpoint_dir=ours.checkpoint_dir, consumer=EmbeddingCopy(),
-                                         queue_while_sleeping=ours.queue_while_sleeping)
+    worker = LanguageWorker(config, checkpoint_dir=ours.checkpoint_dir, consumer=EmbeddingCopy(),
+                            queue_while_sleeping=ours.queue_while_sleeping)
     dispatch = EncoderDispatch(ours.encoder_urls or [], worker, EmbeddingCache(ours.image_embedding_cache_bytes))
+    receiver = ResumableReceiver(dispatch, manager.model_config.dtype)
+    from_disk = bool(ours.checkpoint_dir) and checkpoint.exists(ours.checkpoint_dir, generations.ROLE)
+    if from_disk and not worker.is_sleeping():  # SGLang's generations wait for a wake-up, like the connector's
+        worker.sleep(1, True)
+    _here = Connected(ours, worker, receiver, restore_on_wake=from_disk)
     _add_routes(manager, worker, dispatch)
     log.info("epd-resume: SGLang's server is the language worker; embeddings arrive through the resumable connector "
              "(zmq=tcp://%s:%d mooncake=%s pool=%dx%d tokens, encoders=%s)", config.host, worker.receivers.rank_port,
              worker.transport.session_id, config.num_blocks, config.block_size, ",".join(ours.encoder_urls or []))
-    return ResumableReceiver(dispatch, manager.model_config.dtype)
+    return receiver
 
 
 def _add_routes(manager, worker, dispatch) -> None:
@@ -138,6 +234,7 @@ def _add_routes(manager, worker, dispatch) -> None:
     memory saver can; on CPU its cache is flushed); ``preserve_state=false`` aborts every request
     (``abort``). ``/wake_up`` is the reverse."""
     from fastapi.responses import ORJSONResponse, Response
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
     from sglang.srt.entrypoints.http_server import app
     from sglang.srt.managers.io_struct import (
         ContinueGenerationReqInput,
@@ -145,10 +242,9 @@ def _add_routes(manager, worker, dispatch) -> None:
         ReleaseMemoryOccupationReqInput,
         ResumeMemoryOccupationReqInput,
     )
+    from sglang.srt.runtime_context import get_observability
 
     from connector.checkpoint import CheckpointError
-    from connector.failures import TransferFailure
-    from connector.http_util import HTTPError, error_body, error_reply, sleep_params
 
     released = False  # SGLang's memory occupation, by a level-2 sleep
 
@@ -173,7 +269,7 @@ def _add_routes(manager, worker, dispatch) -> None:
         if level == 2 and not released:
             await manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None)
             released = True
-        return ORJSONResponse(dict(_last_sleep) | {"level": level})
+        return ORJSONResponse(_here.last_sleep | {"level": level})
 
     async def wake_up(request: Request):
         nonlocal released
@@ -190,12 +286,42 @@ def _add_routes(manager, worker, dispatch) -> None:
         return ORJSONResponse(worker.health())
 
     async def metrics():
-        return Response(worker.metrics.render() + dispatch.render_metrics(), media_type="text/plain")
+        """SGLang's own metrics (with ``--enable-metrics``) and the connector's ``epd_*`` ones;
+        registered before SGLang mounts its ``/metrics``, so this route answers it."""
+        text = b""
+        if get_observability().enable_metrics:
+            sglang_registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(sglang_registry)
+            text = generate_latest(sglang_registry)
+        return Response(text + worker.metrics.render() + dispatch.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(RetryAfter, connector=worker)
     app.add_api_route("/sleep", sleep, methods=["POST"])
     app.add_api_route("/wake_up", wake_up, methods=["POST"])
     app.add_api_route("/epd/health", health, methods=["GET"])
-    app.add_api_route("/epd/metrics", metrics, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+
+
+class RetryAfter:
+    """ASGI middleware: a 429 or 503 without ``Retry-After`` (SGLang answers the connector's
+    refusals, and its own, without one) gets the connector's: 5 s while it sleeps, else 2 s."""
+
+    def __init__(self, app, connector: LanguageWorker) -> None:
+        self.app, self.connector = app, connector
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_retry_after(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] in (429, 503):
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"retry-after" for name, _ in headers):
+                    kind = FailureKind.ASLEEP if self.connector.is_sleeping() else FailureKind.OVERLOADED
+                    message = {**message, "headers": headers + [(b"retry-after", kind.retry_after.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_retry_after)
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:

@@ -27,9 +27,13 @@ import numpy as np
 import torch
 
 from connector.failures import TransferFailure
-from language_side.dispatch import EncoderDispatch, ImageRefused
+from language_side.dispatch import Embedded, EncoderDispatch, ImageRefused
 
 log = logging.getLogger(__name__)
+
+# What a response's meta_info gets of its images' transfer (the names our native worker uses).
+TRANSFER_META = ("resume_rounds", "transfer_ms", "encode_ms", "encoder_wait_ms", "queue_ms", "encoder_retries",
+                 "cached_images")
 
 
 class EmbeddingUnavailable(ValueError):
@@ -67,6 +71,11 @@ class ResumableReceiver:
     def __init__(self, dispatch: EncoderDispatch, dtype: torch.dtype) -> None:
         self.dispatch, self.dtype = dispatch, dtype
         self._embedding: dict[str, asyncio.Task] = {}  # rid -> its images at the encoders
+        # Until its request ends (see annotated), by rid: TRANSFER_META of its images, and their rows
+        # (uint8, bf16 bits) and grids, which a disk checkpoint keeps of a generation
+        self._transfer_meta: dict[str, dict] = {}
+        self._inputs: dict[str, tuple[np.ndarray, list]] = {}
+        self._restored: dict[str, tuple[np.ndarray, list]] = {}  # rid -> its images' rows and grids, from disk
 
     async def recv_mm_data(self, request_obj, mm_processor, prompt, need_wait_for_mm_inputs: bool = True):
         if request_obj.video_data or request_obj.audio_data:
@@ -75,19 +84,10 @@ class ResumableReceiver:
         if not images or not need_wait_for_mm_inputs:
             return None
         rid = str(request_obj.rid)
-        task = self._embedding[rid] = asyncio.ensure_future(self.dispatch.embed(rid, images))
-        try:
-            embedded = await task
-        except ImageRefused as exc:
-            raise EmbeddingUnavailable(exc.status, str(exc)) from None
-        except TransferFailure as exc:
-            raise EmbeddingUnavailable(exc.kind.http_status, str(exc)) from None
-        except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():  # the client went away: SGLang's handler is cancelled
-                raise
-            raise EmbeddingUnavailable(499, f"request {rid}: aborted by /abort_request") from None
-        finally:
-            self._embedding.pop(rid, None)
+        if (restored := self._restored.pop(rid, None)) is not None:
+            embedded = Embedded(*restored)
+        else:
+            embedded = await self._embed(rid, images)
         embedding = torch.from_numpy(np.ascontiguousarray(embedded.rows)).view(torch.bfloat16).to(self.dtype)
         grids = torch.tensor(embedded.grids, dtype=torch.long)
         from sglang.srt.managers.schedule_batch import Modality
@@ -99,10 +99,52 @@ class ResumableReceiver:
             raise EmbeddingUnavailable(400, f"the prompt's image placeholders do not match its {len(images)} "
                                             f"image(s): {exc}") from None
         meta = embedded.meta
+        self._inputs[rid] = (embedded.rows, embedded.grids)
+        self._transfer_meta[rid] = {key: meta[key] for key in TRANSFER_META if key in meta}
         log.info("rid=%s: %d image tokens from %s, %d resume rounds, transfer %.0f ms, %d cached image(s); SGLang's "
                  "inputs built in %.0f ms", rid, len(embedded.rows), meta.get("encoders"), meta.get("resume_rounds", 0),
                  meta.get("transfer_ms", 0.0), meta.get("cached_images", 0), (time.monotonic() - built_at) * 1e3)
         return inputs
+
+    async def _embed(self, rid: str, images: list[str]) -> Embedded:
+        task = self._embedding[rid] = asyncio.ensure_future(self.dispatch.embed(rid, images))
+        try:
+            return await task
+        except ImageRefused as exc:
+            raise EmbeddingUnavailable(exc.status, str(exc)) from None
+        except TransferFailure as exc:
+            raise EmbeddingUnavailable(exc.kind.http_status, str(exc)) from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # the client went away: SGLang's handler is cancelled
+                raise
+            raise EmbeddingUnavailable(499, f"request {rid}: aborted by /abort_request") from None
+        finally:
+            self._embedding.pop(rid, None)
+
+    async def annotated(self, obj, stream):
+        """``stream`` (SGLang's outputs for the request ``obj``, single or batch) with each
+        request's image transfer in its ``meta_info``; what was kept of its images is dropped at
+        the end."""
+        try:
+            async for out in stream:
+                for item in out if isinstance(out, list) else [out]:
+                    meta = item.get("meta_info") if isinstance(item, dict) else None
+                    if isinstance(meta, dict) and (transfer := self._transfer_meta.get(str(meta.get("id")))):
+                        meta.update(transfer)
+                yield out
+        finally:
+            for rid in [obj.rid] if isinstance(obj.rid, str) else obj.rid or []:
+                self._transfer_meta.pop(str(rid), None)
+                self._inputs.pop(str(rid), None)
+            await stream.aclose()
+
+    def inputs_of(self, rid: str) -> tuple[np.ndarray | None, list]:
+        """The rows and grids of ``rid``'s images, once received (``(None, [])`` before)."""
+        return self._inputs.get(rid, (None, []))
+
+    def restore(self, rid: str, rows: np.ndarray, grids: list) -> None:
+        """``rid``'s images as a disk checkpoint kept them, for its request submitted again."""
+        self._restored[rid] = (rows, grids)
 
     def abort(self, rid: str) -> bool:
         """``/abort_request`` for a request still waiting for its embedding: its rooms end, each

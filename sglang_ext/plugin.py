@@ -1,6 +1,6 @@
 """SGLang plugin (entry point group ``sglang.srt.plugins``): ``--disaggregation-mode encode|language``.
 
-Two hooks on public-facing SGLang functions, nothing else:
+Two hooks on public-facing SGLang functions decide the mode:
 
 * after ``ServerArgs.add_cli_args(parser)``: add ``encode`` and ``language`` to the
   ``--disaggregation-mode`` choices and our own flags (pool size, timeouts, ...);
@@ -9,8 +9,13 @@ Two hooks on public-facing SGLang functions, nothing else:
   SGLang parsed onto a worker configuration and run our worker instead of SGLang's server;
   every other mode gets SGLang's own result untouched.
 
+The language mode's hooks on SGLang's tokenizer manager live in
+:mod:`sglang_ext.language_server`; one more, in every mode, gives SGLang's ``torch_native``
+attention backend (the CPU one) an extend without padded queries
+(:mod:`sglang_ext.cpu_attention`).
+
 SGLang runs plugins in every process it starts (schedulers, detokenizers); there this costs a
-version check and two registrations, and imports nothing of ours.
+version check and the registrations, and imports nothing of ours until a hook is called.
 """
 
 from __future__ import annotations
@@ -23,11 +28,18 @@ from importlib import metadata
 SUPPORTED = ">=0.5.21,<0.6"
 _MIN, _BELOW = (0, 5, 21), (0, 6)
 OUR_MODES = ("encode", "language")
-HOOK_TARGETS = ("sglang.srt.server_args.ServerArgs.add_cli_args", "sglang.srt.server_args.prepare_server_args",
-                "sglang.srt.managers.tokenizer_manager.TokenizerManager.init_disaggregation",
-                "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
-                "sglang.srt.managers.tokenizer_manager.TokenizerManager.pause_generation",
-                "sglang.srt.managers.tokenizer_manager.TokenizerManager.continue_generation")
+TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+# The language mode's hooks, around these TokenizerManager methods: the function of
+# sglang_ext.language_server that each one calls, where that module was armed (see there).
+LANGUAGE_SERVER_HOOKS = {
+    "generate_request": "around_generate_request",
+    "init_disaggregation": "around_init_disaggregation",
+    "abort_request": "around_abort_request",
+    "pause_generation": "around_pause_generation",
+    "continue_generation": "around_continue_generation",
+}
+TORCH_NATIVE_EXTEND = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
+                       "_run_sdpa_forward_extend")
 # SGLang transfer backends and the Mooncake protocol each maps to (None: from --mooncake-protocol)
 BACKENDS = {"mooncake": None, "mooncake_tcp": "tcp"}
 
@@ -52,12 +64,11 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(HOOK_TARGETS[0], _after_add_cli_args, HookType.AFTER)
-    HookRegistry.register(HOOK_TARGETS[1], _around_prepare_server_args, HookType.AROUND)
-    HookRegistry.register(HOOK_TARGETS[2], _around_init_disaggregation, HookType.AROUND)
-    HookRegistry.register(HOOK_TARGETS[3], _after_abort_request, HookType.AFTER)
-    HookRegistry.register(HOOK_TARGETS[4], _around_pause_generation, HookType.AROUND)
-    HookRegistry.register(HOOK_TARGETS[5], _around_continue_generation, HookType.AROUND)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.prepare_server_args", _around_prepare_server_args, HookType.AROUND)
+    for method, name in LANGUAGE_SERVER_HOOKS.items():
+        HookRegistry.register(f"{TOKENIZER_MANAGER}.{method}", _language_server_hook(name), HookType.AROUND)
+    HookRegistry.register(TORCH_NATIVE_EXTEND, _around_torch_native_extend, HookType.AROUND)
 
 
 def _unsupported(message: str) -> None:
@@ -98,36 +109,22 @@ def _around_prepare_server_args(original, argv, *args, **kwargs):
     sys.exit(0)
 
 
-def _around_init_disaggregation(original, manager, *args, **kwargs):
-    if sys.modules.get("sglang_ext.language_server") is None:  # nothing armed in this process
-        return original(manager, *args, **kwargs)
-    from sglang_ext.language_server import around_init_disaggregation
+def _language_server_hook(name: str):
+    def hook(original, manager, *args, **kwargs):
+        if sys.modules.get("sglang_ext.language_server") is None:  # nothing armed in this process
+            return original(manager, *args, **kwargs)
+        from sglang_ext import language_server
 
-    return around_init_disaggregation(original, manager, *args, **kwargs)
+        return getattr(language_server, name)(original, manager, *args, **kwargs)
 
-
-def _after_abort_request(result, manager, *args, **kwargs):
-    if sys.modules.get("sglang_ext.language_server") is not None:
-        from sglang_ext.language_server import after_abort_request
-
-        return after_abort_request(result, manager, *args, **kwargs)
-    return result
+    hook.__qualname__ = f"epd_resume.{name}"
+    return hook
 
 
-def _around_pause_generation(original, manager, *args, **kwargs):
-    if sys.modules.get("sglang_ext.language_server") is None:
-        return original(manager, *args, **kwargs)
-    from sglang_ext.language_server import around_pause_generation
+def _around_torch_native_extend(original, *args, **kwargs):
+    from sglang_ext.cpu_attention import extend_without_padding
 
-    return around_pause_generation(original, manager, *args, **kwargs)
-
-
-def _around_continue_generation(original, manager, *args, **kwargs):
-    if sys.modules.get("sglang_ext.language_server") is None:
-        return original(manager, *args, **kwargs)
-    from sglang_ext.language_server import around_continue_generation
-
-    return around_continue_generation(original, manager, *args, **kwargs)
+    return extend_without_padding(original, *args, **kwargs)
 
 
 def our_mode(server_args) -> str | None:

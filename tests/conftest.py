@@ -112,9 +112,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 # --dist loadfile --no-loadscope-reorder a worker takes a whole module at a time, in collection
 # order: starting the long ones first keeps one worker from running the longest alone at the end.
 MODULE_SECONDS = {"test_sleep_generation": 520, "test_benchmarks_smoke": 290, "test_sleep_workers": 240,
-                  "test_openai_api": 180, "test_sglang_plugin": 155, "test_backpressure": 120,
+                  "test_openai_api": 180, "test_sglang_plugin": 80, "test_backpressure": 120,
                   "test_faults_under_load": 110, "test_workers": 100, "test_language_model": 70,
-                  "test_sglang_language": 150}
+                  "test_sglang_language": 190}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

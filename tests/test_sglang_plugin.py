@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,34 +26,92 @@ pytestmark = pytest.mark.sglang
 SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 SGLANG_SERVE = (str(Path(sys.executable).parent / "sglang"), "serve")
 
-# Loads the plugins as SGLang's launcher does, then parses argv with SGLang's own
-# prepare_server_args; our worker is replaced by a print of the configuration it would get.
+# Loads the plugins as SGLang's launcher does, then parses each case's argv with SGLang's own
+# prepare_server_args; our worker is replaced by a print of the configuration it would get. One
+# process parses every case (an import of SGLang costs seconds): a JSON line per case with its
+# exit code and what it printed.
 PARSE = """
-import json, sys
+import contextlib, io, json, sys
 from sglang.srt.plugins import load_plugins
 load_plugins()
 import sglang_ext.launch_server as launcher
 launcher.run = lambda args: print("WORKER " + json.dumps(vars(args), sort_keys=True))
 from sglang.srt.server_args import prepare_server_args
-server_args = prepare_server_args(sys.argv[1:])
-print("SGLANG " + json.dumps({k: repr(getattr(server_args, k)) for k in sorted(type(server_args).__struct_fields__)
-                              if not k.startswith("_")}))
+for case, argv in json.loads(sys.argv[1]).items():
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            server_args = prepare_server_args(argv)
+            print("SGLANG " + json.dumps({k: repr(getattr(server_args, k)) for k in
+                                          sorted(type(server_args).__struct_fields__) if not k.startswith("_")}))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+            print(exc.code if not isinstance(exc.code, int) else "", file=err)
+    print("CASE " + json.dumps({"case": case, "code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}))
 """
 
 
-def parse(*argv: str, plugins: str | None = None) -> subprocess.CompletedProcess:
-    env = None if plugins is None else {**__import__("os").environ, "SGLANG_PLUGINS": plugins}
-    return subprocess.run([sys.executable, "-c", PARSE, *argv], capture_output=True, text=True, env=env, timeout=120)
+@dataclass
+class Parsed:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def parse_all(cases: dict[str, tuple[str, ...]], plugins: str | None = None) -> dict[str, Parsed]:
+    env = None if plugins is None else {**os.environ, "SGLANG_PLUGINS": plugins}
+    res = subprocess.run([sys.executable, "-c", PARSE, json.dumps(cases)], capture_output=True, text=True, env=env,
+                         timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    found = [json.loads(x[5:]) for x in res.stdout.splitlines() if x.startswith("CASE ")]
+    return {c["case"]: Parsed(c["code"], c["stdout"], c["stderr"]) for c in found}
 
 
 def line(out: str, tag: str) -> dict:
     return json.loads(next(x for x in out.splitlines() if x.startswith(tag + " "))[len(tag) + 1:])
 
 
+DISPATCH_FLAGS = ("--model-path", "/models/qwen", "--host", "127.0.0.2", "--port", "31234",
+                  "--disaggregation-bootstrap-port", "31235", "--disaggregation-transfer-backend", "mooncake_tcp",
+                  "--disaggregation-ib-device", "mlx5_0", "--tp-size", "1", "--log-level", "warning",
+                  "--embedding-cache-buffer-size", "40", "--resume-timeout", "7", "--max-queued-requests", "12",
+                  "--staging-bytes", "1000000", "--queue-timeout", "4.5", "--allowed-media-domains", "img.example",
+                  "--allowed-local-media-path", "/srv/a", "--allowed-local-media-path", "/srv/b",
+                  "--max-total-tokens", "4096", "--device", "cpu", "--language-model", "none")
+LANGUAGE_MODES = {"mode": ("--disaggregation-mode", "language"), "language_only": ("--language-only",),
+                  "mode=": ("--disaggregation-mode=language",)}
+SGLANG_MODES = ("null", "prefill", "decode")
+
+
+def sglang_mode_argv(mode: str) -> tuple[str, ...]:
+    return "--model-path", "/models/llm", "--disaggregation-mode", mode, "--port", "30001"
+
+
 @pytest.fixture(scope="module")
 def checkpoint(seeded_checkpoint) -> str:
     """A whole seeded model: the encode side reads its tower, the language side its language model."""
     return seeded_checkpoint(3584)
+
+
+@pytest.fixture(scope="module")
+def parsed(checkpoint) -> dict[str, Parsed]:
+    """Every command line the tests below parse, through SGLang with the plugin, in one process."""
+    cases = {f"dispatch-{mode}": ("--disaggregation-mode", mode, *DISPATCH_FLAGS) for mode in ("encode", "language")}
+    cases |= {"encoder-only": ("--model-path", checkpoint, "--encoder-only", "--port", "31240"),
+              "language-only-native": ("--model-path", checkpoint, "--language-only", "--encoder-urls",
+                                       "http://10.0.0.1:30001", "http://10.0.0.2:30001", "--language-backend", "native"),
+              "nixl": ("--model-path", "/m", "--disaggregation-mode", "encode", "--disaggregation-transfer-backend",
+                       "nixl"),
+              "bogus": ("--model-path", "/m", "--disaggregation-mode", "bogus")}
+    cases |= {f"default-{name}": ("--model-path", checkpoint, *mode, "--encoder-urls", "http://10.0.0.1:30001", "--port",
+                                  "31241", "--embedding-cache-buffer-size", "40") for name, mode in LANGUAGE_MODES.items()}
+    cases |= {f"sglang-{mode}": sglang_mode_argv(mode) for mode in SGLANG_MODES}
+    return parse_all(cases)
+
+
+@pytest.fixture(scope="module")
+def parsed_without_plugin() -> dict[str, Parsed]:
+    return parse_all({f"sglang-{mode}": sglang_mode_argv(mode) for mode in SGLANG_MODES}, plugins="none-at-all")
 
 
 def test_help_lists_our_modes_and_flags() -> None:
@@ -65,14 +125,8 @@ def test_help_lists_our_modes_and_flags() -> None:
 
 
 @pytest.mark.parametrize("mode", ["encode", "language"])
-def test_our_modes_dispatch_with_the_flags_sglang_parsed(mode: str) -> None:
-    res = parse("--model-path", "/models/qwen", "--disaggregation-mode", mode, "--host", "127.0.0.2", "--port", "31234",
-                "--disaggregation-bootstrap-port", "31235", "--disaggregation-transfer-backend", "mooncake_tcp",
-                "--disaggregation-ib-device", "mlx5_0", "--tp-size", "1", "--log-level", "warning",
-                "--embedding-cache-buffer-size", "40", "--resume-timeout", "7", "--max-queued-requests", "12",
-                "--staging-bytes", "1000000", "--queue-timeout", "4.5", "--allowed-media-domains", "img.example",
-                "--allowed-local-media-path", "/srv/a", "--allowed-local-media-path", "/srv/b",
-                "--max-total-tokens", "4096", "--device", "cpu", "--language-model", "none")
+def test_our_modes_dispatch_with_the_flags_sglang_parsed(parsed, mode: str) -> None:
+    res = parsed[f"dispatch-{mode}"]
     assert res.returncode == 0, res.stderr[-2000:]
     args = line(res.stdout, "WORKER")
     assert "SGLANG " not in res.stdout  # SGLang's own server never started
@@ -89,27 +143,24 @@ def test_our_modes_dispatch_with_the_flags_sglang_parsed(mode: str) -> None:
         "max_total_tokens": 4096, "device": "cpu", "language_model": "none"}
 
 
-def test_upstream_epd_flags_are_aliases_of_our_modes(checkpoint) -> None:
+def test_upstream_epd_flags_are_aliases_of_our_modes(parsed) -> None:
     """``--encoder-only`` / ``--language-only`` (SGLang's own EPD flags) start our workers, and
     ``--encoder-urls`` as SGLang parsed it reaches the language worker."""
-    encode = parse("--model-path", checkpoint, "--encoder-only", "--port", "31240")
+    encode = parsed["encoder-only"]
     assert encode.returncode == 0, encode.stderr[-2000:]
     assert line(encode.stdout, "WORKER")["disaggregation_mode"] == "encode" and "SGLANG " not in encode.stdout
-    language = parse("--model-path", checkpoint, "--language-only", "--encoder-urls", "http://10.0.0.1:30001",
-                     "http://10.0.0.2:30001", "--language-backend", "native")
+    language = parsed["language-only-native"]
     assert language.returncode == 0, language.stderr[-2000:]
     args = line(language.stdout, "WORKER")
     assert args["disaggregation_mode"] == "language"
     assert args["encoder_urls"] == ["http://10.0.0.1:30001", "http://10.0.0.2:30001"]
 
 
-@pytest.mark.parametrize("mode", [("--disaggregation-mode", "language"), ("--language-only",),
-                                  ("--disaggregation-mode=language",)], ids=["mode", "language_only", "mode="])
-def test_the_language_mode_is_sglangs_own_server_by_default(checkpoint, mode) -> None:
+@pytest.mark.parametrize("mode", list(LANGUAGE_MODES))
+def test_the_language_mode_is_sglangs_own_server_by_default(parsed, mode) -> None:
     """With a model, our language mode is SGLang's server in its language-only mode, with the
     transfer backend our receiver takes the place of; SGLang validated the flags itself."""
-    res = parse("--model-path", checkpoint, *mode, "--encoder-urls", "http://10.0.0.1:30001", "--port", "31241",
-                "--embedding-cache-buffer-size", "40")
+    res = parsed[f"default-{mode}"]
     assert res.returncode == 0, res.stderr[-2000:]
     assert "WORKER " not in res.stdout  # our own engine never started
     sglang = line(res.stdout, "SGLANG")
@@ -127,23 +178,22 @@ def test_our_own_launcher_refuses_the_sglang_backend() -> None:
     assert "start it with python -m sglang.launch_server --disaggregation-mode language" in res.stderr
 
 
-def test_unsupported_backend_in_our_modes_is_a_clear_error() -> None:
-    res = parse("--model-path", "/m", "--disaggregation-mode", "encode", "--disaggregation-transfer-backend", "nixl")
+def test_unsupported_backend_in_our_modes_is_a_clear_error(parsed) -> None:
+    res = parsed["nixl"]
     assert res.returncode == 1
     assert "--disaggregation-transfer-backend nixl is not supported" in res.stderr
 
 
-@pytest.mark.parametrize("mode", ["null", "prefill", "decode"])
-def test_sglang_modes_parse_exactly_as_without_the_plugin(mode: str) -> None:
-    argv = ("--model-path", "/models/llm", "--disaggregation-mode", mode, "--port", "30001")
-    with_plugin, without = parse(*argv), parse(*argv, plugins="none-at-all")
+@pytest.mark.parametrize("mode", SGLANG_MODES)
+def test_sglang_modes_parse_exactly_as_without_the_plugin(parsed, parsed_without_plugin, mode: str) -> None:
+    with_plugin, without = parsed[f"sglang-{mode}"], parsed_without_plugin[f"sglang-{mode}"]
     assert with_plugin.returncode == without.returncode == 0, with_plugin.stderr[-2000:]
     assert line(with_plugin.stdout, "SGLANG") == line(without.stdout, "SGLANG")
     assert "WORKER " not in with_plugin.stdout
 
 
-def test_an_invalid_mode_is_still_rejected_by_sglang() -> None:
-    res = parse("--model-path", "/m", "--disaggregation-mode", "bogus")
+def test_an_invalid_mode_is_still_rejected_by_sglang(parsed) -> None:
+    res = parsed["bogus"]
     assert res.returncode == 2
     assert "invalid choice: 'bogus'" in res.stderr and "'encode'" in res.stderr
 
