@@ -5,24 +5,26 @@
 scheduler and detokenizer on ``--model-path`` unchanged, in SGLang's language-only mode (no
 vision tower loaded) with the ``zmq_to_tokenizer`` transfer backend. :func:`sglang_argv` turns
 our mode into SGLang's flags (the plugin re-parses them, so SGLang validates its own
-configuration); then four hooks on SGLang's ``TokenizerManager``, acting only in the process
+configuration); then five hooks on SGLang's ``TokenizerManager``, acting only in the process
 where :func:`arm` was called (the one that runs it):
 
 * around ``init_disaggregation``: SGLang's own set-up runs without its encoder side (no
   bootstrap registry, no upstream receiver), then its ``mm_receiver`` becomes ours
   (:class:`sglang_ext.mm_receiver.ResumableReceiver`): the connector's language worker (pool,
   Mooncake, ZMQ) and the encoder dispatch;
-* around ``generate_request``: while the connector sleeps, a new request gets 503 at once;
+* around ``generate_request``: a client asking again for a generation restored from disk gets
+  its whole output (:mod:`sglang_ext.generations`); while the connector sleeps a new request
+  gets 503 at once; every other response gets its image transfer (``resume_rounds``, timings)
+  in ``meta_info``;
 * around ``abort_request``: a request still waiting for its embedding is cancelled;
 * around ``pause_generation`` / ``continue_generation``: the connector sleeps after SGLang
-  pauses and wakes before it continues.
+  pauses (and, with ``--checkpoint-dir``, SGLang's unfinished generations are written beside its
+  checkpoint) and wakes before SGLang continues (a server started on such a checkpoint then
+  submits the generations again).
 
 A 429 or 503 gets ``Retry-After`` (:class:`RetryAfter`). The connector's routes are added to
-SGLang's app beside its own: ``/sleep`` and ``/wake_up``
-(the connector's transfers) and ``/epd/health`` (rooms, pool, parts); ``/metrics`` serves the
-connector's ``epd_*`` metrics beside SGLang's own. A sixth hook, around the tokenizer manager's
-per-request response stream, adds the connector's ``resume_rounds`` and transfer timings to each
-response's ``meta_info``.
+SGLang's app beside its own: ``/sleep`` and ``/wake_up``, ``/epd/health`` (rooms, pool, parts)
+and ``/metrics`` (SGLang's metrics and the connector's ``epd_*``).
 """
 
 from __future__ import annotations
@@ -149,22 +151,26 @@ async def _write_generations(manager) -> dict:
 
 async def around_continue_generation(original, manager, obj, *args, **kwargs):
     """The connector wakes first (its pool back, kept transfers resumed), then SGLang continues;
-    a worker started on a disk checkpoint then submits the generations it holds again. The
-    checkpoint of SGLang's generations is gone after a wake-up: SGLang goes on with its own."""
+    a server started on a disk checkpoint of SGLang's generations then submits them again (read
+    and checked before anything wakes: a bad file leaves everything asleep, 422). That file is
+    gone after a wake-up: SGLang goes on with its own requests."""
     if _here is None:
         return await original(manager, obj, *args, **kwargs)
+    from connector import checkpoint
+    from sglang_ext import generations
+
+    folder = _here.ours.checkpoint_dir
+    saved = None
+    if _here.restore_on_wake and checkpoint.exists(folder, generations.ROLE):
+        saved = await asyncio.to_thread(generations.load, folder, _here.geometry(manager))  # CheckpointError
     await asyncio.to_thread(_here.worker.wake_up)
     result = await original(manager, obj, *args, **kwargs)
-    if _here.ours.checkpoint_dir:
-        from connector import checkpoint
-        from sglang_ext import generations
-
-        if _here.restore_on_wake and checkpoint.exists(_here.ours.checkpoint_dir, generations.ROLE):
-            saved = generations.load(_here.ours.checkpoint_dir, _here.geometry(manager))  # CheckpointError: 422
-            _here.restored = generations.Restored(manager, _here.receiver)
-            _here.restored.start(saved)
-        _here.restore_on_wake = False
-        checkpoint.remove(_here.ours.checkpoint_dir, generations.ROLE)
+    if saved is not None:
+        _here.restored = generations.Restored(manager, _here.receiver)
+        _here.restored.start(saved)
+    _here.restore_on_wake = False
+    if folder:
+        checkpoint.remove(folder, generations.ROLE)
     return result
 
 
