@@ -178,34 +178,39 @@ def itl_under_prefill(url: str, kind: str, small_image: str, big_image: str, str
             "big": big.get("error") or f"TTFT {big['ttft']:.2f} s"}
 
 
-def start_stack(kind: str, folder: str, language_args: list[str]) -> tuple[WorkerProcess, WorkerProcess]:
+def start_stack(kind: str, folder: str, language_args: list[str], pin: bool) -> tuple[WorkerProcess, WorkerProcess]:
+    """``pin``: the encoder's processes on CPU 1, the language server's on CPU 0 (as if on two
+    machines, a core each)."""
+    on_cpu = (lambda cpu, command: ("taskset", "-c", str(cpu), *command)) if pin else (lambda cpu, command: command)
     if kind == "ours":
-        encode = WorkerProcess("encode", "--model-path", folder, timeout=300)
+        encode = WorkerProcess("encode", "--model-path", folder, timeout=300,
+                               command=on_cpu(1, (sys.executable, "-m", "sglang_ext.launch_server")))
         language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url,
-                                 "--max-total-tokens", "65536", "--skip-server-warmup", *language_args, command=SGLANG,
-                                 ready=SGLANG_READY, timeout=300)
+                                 "--max-total-tokens", "65536", "--skip-server-warmup", *language_args,
+                                 command=on_cpu(0, SGLANG), ready=SGLANG_READY, timeout=300)
         return encode, language
     env = {"SGLANG_PLUGINS": "none"}
     # WorkerProcess adds --disaggregation-mode MODE; SGLang's own EPD flags come after it and win
-    encode = WorkerProcess("null", "--encoder-only", "--model-path", folder, "--skip-server-warmup", command=SGLANG,
-                           ready="Uvicorn running on", env=env, timeout=300)
+    encode = WorkerProcess("null", "--encoder-only", "--model-path", folder, "--skip-server-warmup",
+                           command=on_cpu(1, SGLANG), ready="Uvicorn running on", env=env, timeout=300)
     language = WorkerProcess("null", "--language-only", "--model-path", folder, "--encoder-urls", encode.url,
                              "--encoder-transfer-backend", "zmq_to_scheduler", "--max-total-tokens", "65536",
-                             "--skip-server-warmup", *language_args, command=SGLANG, ready=SGLANG_READY, env=env, timeout=300)
+                             "--skip-server-warmup", *language_args, command=on_cpu(0, SGLANG), ready=SGLANG_READY,
+                             env=env, timeout=300)
     return encode, language
 
 
 class Stack:
     """One stack's two servers and the memory sampler over them; started again after a kill."""
 
-    def __init__(self, kind: str, folder: str, limit: float, language_args: list[str]) -> None:
-        self.kind, self.folder, self.limit, self.language_args = kind, folder, limit, language_args
+    def __init__(self, kind: str, folder: str, limit: float, language_args: list[str], pin: bool) -> None:
+        self.kind, self.folder, self.limit, self.language_args, self.pin = kind, folder, limit, language_args, pin
         self.peak: dict[str, int] = {"encoder": 0, "language": 0}
         self.killed_at = 0.0
         self._start()
 
     def _start(self) -> None:
-        self.encode, self.language = start_stack(self.kind, self.folder, self.language_args)
+        self.encode, self.language = start_stack(self.kind, self.folder, self.language_args, self.pin)
         self.memory = Memory({"encoder": self.encode.proc.pid, "language": self.language.proc.pid}, self.limit)
 
     def up(self) -> str:
@@ -225,8 +230,8 @@ class Stack:
 
 
 def measure(kind: str, folder: str, images: dict[str, str], chat_image: str, sizes: list[str], concurrent: int,
-            limit: float, language_args: list[str], log) -> dict:
-    stack = Stack(kind, folder, limit, language_args)
+            limit: float, language_args: list[str], pin: bool, log) -> dict:
+    stack = Stack(kind, folder, limit, language_args, pin)
     rows: dict = {"sizes": {}, "concurrent": None, "chat": [], "itl": None}
     try:
         for i in range(WARMUPS):
@@ -276,6 +281,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["ours", "upstream"], help="measure one stack")
     parser.add_argument("--language-args", default="", help="more flags for both language servers, e.g. "
                         "'--chunked-prefill-size 512 --enable-mixed-chunk'")
+    parser.add_argument("--pin-cores", action="store_true", help="each stack's encoder on CPU 1 and its language "
+                        "server on CPU 0 (taskset), as two machines would keep them apart")
     args = parser.parse_args()
     log = lambda line: print(line, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
@@ -298,7 +305,7 @@ def main() -> None:
         make_image(3840, 2160, seed=98).save(images["itl4k"])
         chat_image = "data:image/png;base64," + base64.b64encode(Path(f"{tmp}/chat.png").read_bytes()).decode()
         results = {kind: measure(kind, folder, images, chat_image, args.sizes, args.concurrent, args.max_rss_gb * 2**30,
-                                 args.language_args.split(), log) for kind in ("ours", "upstream") if args.only in (None, kind)}
+                                 args.language_args.split(), args.pin_cores, log) for kind in ("ours", "upstream") if args.only in (None, kind)}
     report(results, args.sizes)
 
 
