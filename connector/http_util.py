@@ -6,6 +6,7 @@ import asyncio
 import ipaddress
 import json
 import re
+import secrets
 import signal
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
@@ -53,14 +54,18 @@ def wake_params(query: Mapping[str, str]) -> bool:
     return query.get("discard_checkpoint", "false").lower() in ("true", "1")
 
 
-def add_sleep_routes(app: web.Application, worker) -> None:
-    """``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping`` over a worker's methods."""
+def add_sleep_routes(app: web.Application, worker, admin_api_key: str | None = None) -> None:
+    """``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping`` over a worker's methods. With
+    ``admin_api_key`` (``--admin-api-key``, SGLang's flag), sleep and wake need it as a bearer
+    token (401 otherwise), as SGLang's own admin routes do."""
 
     async def sleep(request: web.Request) -> web.Response:
+        check_admin(request.headers.get("Authorization"), admin_api_key)
         level, preserve = sleep_params(request.query)
         return web.json_response(await asyncio.to_thread(worker.sleep, level, preserve))
 
     async def wake_up(request: web.Request) -> web.Response:
+        check_admin(request.headers.get("Authorization"), admin_api_key)
         discard = wake_params(request.query)
         return web.json_response(await asyncio.to_thread(worker.wake_up, discard))
 
@@ -70,6 +75,16 @@ def add_sleep_routes(app: web.Application, worker) -> None:
     app.router.add_post("/sleep", sleep)
     app.router.add_post("/wake_up", wake_up)
     app.router.add_get("/is_sleeping", is_sleeping)
+
+
+def check_admin(authorization: str | None, admin_api_key: str | None) -> None:
+    """HTTPError 401 unless ``authorization`` is ``Bearer <admin_api_key>`` (nothing to check
+    without a key)."""
+    if not admin_api_key:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), admin_api_key.encode()):
+        raise HTTPError(401, "this route needs the admin API key (Authorization: Bearer ...)")
 
 
 @web.middleware
@@ -93,8 +108,10 @@ def error_reply(exc: HTTPError | TransferFailure | CheckpointError
     return 422, f"{exc}; fix or remove it, or wake with discard_checkpoint=true", {}, None
 
 
-async def read_json(request: web.Request, required: dict[str, type | tuple[type, ...]]) -> dict:
-    """The request's JSON object with ``required`` fields checked; HTTPError 400 otherwise."""
+async def read_json(request: web.Request, required: dict[str, type | tuple[type, ...]],
+                    optional: dict[str, type | tuple[type, ...]] | None = None) -> dict:
+    """The request's JSON object with ``required`` fields checked; HTTPError 400 otherwise. With
+    ``optional``, those may be there too (type checked) and any other field is refused."""
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # nested 100k deep, say
@@ -104,9 +121,21 @@ async def read_json(request: web.Request, required: dict[str, type | tuple[type,
     for name, kind in required.items():
         if name not in body:
             raise HTTPError(400, f"missing field {name!r}")
-        if not isinstance(body[name], kind) or isinstance(body[name], bool):
+        if not isinstance(body[name], kind) or (isinstance(body[name], bool) and bool not in _types(kind)):
             raise HTTPError(400, f"field {name!r} has the wrong type")
+    if optional is not None:
+        if unknown := sorted(set(body) - set(required) - set(optional)):
+            raise HTTPError(400, f"unknown field(s) {', '.join(map(repr, unknown[:8]))}; this route takes "
+                                 f"{', '.join(map(repr, [*required, *optional]))}")
+        for name, kind in optional.items():
+            if name in body and (not isinstance(body[name], kind) or (
+                    isinstance(body[name], bool) and bool not in _types(kind))):
+                raise HTTPError(400, f"field {name!r} has the wrong type")
     return body
+
+
+def _types(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
 
 
 async def wait_for_future(future: Future, on_cancel: Callable[[], object]) -> object:

@@ -8,9 +8,10 @@ from connector.http_util import add_sleep_routes, check_room, errors_as_json, re
 from embedding_side.worker import EncodeWorker
 
 
-def build_app(worker: EncodeWorker) -> web.Application:
+def build_app(worker: EncodeWorker, admin_api_key: str | None = None) -> web.Application:
     async def encode(request: web.Request) -> web.Response:
-        body = await read_json(request, {"rid": str, "bootstrap_room": int, "images": list})
+        body = await read_json(request, {"rid": str, "bootstrap_room": int, "images": list},
+                               optional={"wait_for_delivery": bool, "text": str})
         room = check_room(body["bootstrap_room"])  # the worker checks the rest (and fails the room if bad)
         return web.json_response(await worker.encode(body["rid"], room, body["images"],
                                                      body.get("wait_for_delivery", True)))
@@ -25,5 +26,5 @@ def build_app(worker: EncodeWorker) -> web.Application:
     app.router.add_post("/encode", encode)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    add_sleep_routes(app, worker)
+    add_sleep_routes(app, worker, admin_api_key)
     return app

@@ -87,6 +87,8 @@ def open_image(ref: str, policy: MediaPolicy) -> Image.Image:
     decoded yet, so the caller can reserve memory for that from the size first."""
     if not isinstance(ref, str) or not ref:
         raise ImageInputError("each image must be a non-empty string (path, file://, http(s):// or data: URI)")
+    if "\x00" in ref:  # no path, URL or data: URI holds one; the OS would refuse it as a ValueError
+        raise ImageInputError(f"{describe(ref)!r}: an image reference must not contain a NUL character")
     data = _fetch(ref, policy)
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only

@@ -291,7 +291,7 @@ class EncodeWorker:
         free, total = pool_blocks(self.allocator)
         return {"status": "sleeping" if self.gate.is_sleeping() else "ok", "role": "encode",
                 "state": self.gate.state.value, "bootstrap_port": self.bootstrap.port,
-                "preprocessing": self.encoder.fingerprint(), "free_blocks": free,
+                "preprocessing": self.encoder.fingerprint(), "max_images": self.media.max_images, "free_blocks": free,
                 "num_blocks": total, "active_rooms": self.sender.active_rooms(), **self._queues()}
 
     def is_sleeping(self) -> bool:

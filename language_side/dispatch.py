@@ -1,7 +1,8 @@
 """One request's images, encoded by the encoders of ``--encoder-urls`` and received by this worker.
 
 A request's images are split into contiguous parts, one per encoder picked by load (the fewest
-outstanding image tokens first, an estimate until an encoder answers with the true count); each
+outstanding image tokens first, an estimate until an encoder answers with the true count), and
+more parts where one would pass the images an encoder takes per ``/encode``; each
 part has its own room and is received like any two-request transfer (rounds and resumes as
 needed); the parts are joined in image order, each part's digest checked against the one its
 encoder reported. A part whose encoder cannot be reached, is busy (408/429/503) or fails is sent
@@ -37,6 +38,7 @@ from language_side.worker import LanguageWorker
 log = logging.getLogger(__name__)
 
 PROBE_INTERVAL = 1.0  # seconds between /health probes of an encoder taken out of rotation
+ENCODER_MAX_IMAGES = 16  # images per /encode an encoder takes until its /health says otherwise
 FIRST_ESTIMATE = 1024  # image tokens assumed for an image before any encoder has answered
 # failures of this worker's own side: another encoder would not help
 OUR_SIDE = frozenset({FailureKind.CANCELLED, FailureKind.ASLEEP, FailureKind.SHUTTING_DOWN, FailureKind.OVERLOADED,
@@ -57,6 +59,7 @@ class Encoder:
     url: str
     host: str
     bootstrap_port: int | None = None  # from its /health
+    max_images: int = ENCODER_MAX_IMAGES  # per /encode, from its /health
     outstanding: int = 0  # estimated image tokens of its parts in flight
     healthy: bool = True
     next_probe: float = 0.0
@@ -156,8 +159,11 @@ class EncoderDispatch:
         return next(iter(self.fingerprints.values()))
 
     async def _dispatch(self, rid: str, images: list[str]) -> Embedded:
+        """One part per healthy encoder (fewer parts than images), more when a part would pass
+        the images an encoder takes per request (any encoder may get any part)."""
         healthy = [e for e in self.encoders if e.healthy] or self.encoders
-        count = min(len(healthy), len(images))
+        per_part = max(1, min(e.max_images for e in self.encoders))
+        count = max(min(len(healthy), len(images)), -(-len(images) // per_part))
         bounds = np.linspace(0, len(images), count + 1).astype(int)
         tasks = [asyncio.ensure_future(self._part(rid, i, images[a:b]))
                  for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
@@ -231,6 +237,7 @@ class EncoderDispatch:
             async with self._session.get(f"{enc.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
                 health = await resp.json()
             enc.bootstrap_port = int(health["bootstrap_port"])
+            enc.max_images = int(health.get("max_images", ENCODER_MAX_IMAGES))  # a fork encoder does not say
             self.fingerprints[enc.url] = str(health["preprocessing"])
             return resp.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -49,9 +49,10 @@ class _Client:
 
 
 def build_app(worker: LanguageWorker, service: GenerationService | None = None, dispatch: EncoderDispatch | None = None,
-              model_name: str = "") -> web.Application:
+              model_name: str = "", admin_api_key: str | None = None) -> web.Application:
     """``dispatch``: the encoders of ``--encoder-urls`` (images named in a request); with a
-    ``service``, the OpenAI-compatible routes serve ``model_name`` too."""
+    ``service``, the OpenAI-compatible routes serve ``model_name`` too; ``admin_api_key``
+    guards sleep and wake."""
     clients: dict[str, _Client] = {}
 
     async def transfer_only(request: web.Request) -> web.Response:
@@ -262,5 +263,5 @@ def build_app(worker: LanguageWorker, service: GenerationService | None = None, 
     app.router.add_post("/abort_request", abort_request)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    add_sleep_routes(app, worker)
+    add_sleep_routes(app, worker, admin_api_key)
     return app

@@ -48,6 +48,8 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                             help="RDMA device for Mooncake (with --mooncake-protocol rdma)")
         parser.add_argument("--tp-size", type=int, default=1, help="tensor parallel size (only 1 is supported)")
         parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+        parser.add_argument("--admin-api-key", default=None, metavar="KEY",
+                            help="/sleep and /wake_up need 'Authorization: Bearer KEY' (SGLang's flag; default: open)")
         parser.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests, metavar="N",
                             help=f"requests waiting for blocks (language side) or for memory and the encoder "
                                  f"(encode side); more get 503 with Retry-After at once, env "

@@ -103,9 +103,6 @@ def arm(ours: argparse.Namespace) -> None:
     """Our flags, for the tokenizer manager this process is about to start."""
     global _pending
     _pending = ours
-    # `kill -USR1 <pid>` writes every thread's stack to the log, as our own workers do (without
-    # a handler the signal would end SGLang's server)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def around_init_disaggregation(original, manager, *args, **kwargs):
@@ -213,6 +210,9 @@ def _start_receiver(ours: argparse.Namespace, manager):
     from sglang_ext.mm_receiver import ResumableReceiver
 
     global _here
+    # `kill -USR1 <pid>` writes every thread's stack to the log, as our own workers do (without
+    # a handler the signal would end SGLang's server)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     config = connector_config(ours)
     worker = LanguageWorker(config, checkpoint_dir=ours.checkpoint_dir, consumer=EmbeddingCopy(),
                             queue_while_sleeping=ours.queue_while_sleeping)
@@ -249,6 +249,7 @@ def _add_routes(manager, worker, dispatch) -> None:
         ResumeMemoryOccupationReqInput,
     )
     from sglang.srt.runtime_context import get_observability
+    from sglang.srt.utils.auth import AuthLevel, auth_level
 
     from connector.checkpoint import CheckpointError
 
@@ -302,8 +303,10 @@ def _add_routes(manager, worker, dispatch) -> None:
         return Response(text + worker.metrics.render() + dispatch.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(RetryAfter, connector=worker)
-    app.add_api_route("/sleep", sleep, methods=["POST"])
-    app.add_api_route("/wake_up", wake_up, methods=["POST"])
+    # SGLang's API-key middleware (--admin-api-key, else --api-key) guards them as it does its own
+    # /pause_generation; with no key configured they are open, as SGLang's are
+    app.add_api_route("/sleep", auth_level(AuthLevel.ADMIN_OPTIONAL)(sleep), methods=["POST"])
+    app.add_api_route("/wake_up", auth_level(AuthLevel.ADMIN_OPTIONAL)(wake_up), methods=["POST"])
     app.add_api_route("/epd/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
 

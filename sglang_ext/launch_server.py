@@ -60,7 +60,7 @@ def build(args: argparse.Namespace) -> Built:
                               args.checkpoint_dir)
         extra = (f" bootstrap=http://{config.host}:{worker.bootstrap.port} "
                  f"zmq=tcp://{config.host}:{worker.sender.rank_port} encoder={encoder.name}")
-        return Built(worker, build_app(worker), config, extra)
+        return Built(worker, build_app(worker, args.admin_api_key), config, extra)
 
     from language_side.consumers import EmbeddingCopy
     from language_side.http_api import build_app
@@ -90,7 +90,8 @@ def build(args: argparse.Namespace) -> Built:
             worker.close()
             raise SystemExit(f"error: {exc}") from None
         extra += f" encoders={','.join(args.encoder_urls)}"
-    return Built(worker, build_app(worker, service, dispatch, args.model_path or ""), config, extra)
+    return Built(worker, build_app(worker, service, dispatch, args.model_path or "", args.admin_api_key), config,
+                 extra)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -158,6 +158,7 @@ def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
     ours.disaggregation_ib_device = server_args.disaggregation_ib_device or ""
     ours.tp_size = server_args.tp_size
     ours.log_level = server_args.log_level
+    ours.admin_api_key = server_args.admin_api_key
     ours.max_queued_requests = server_args.max_queued_requests or ConnectorConfig.from_env().max_queued_requests
     ours.allowed_media_domains = server_args.allowed_media_domains or None
     ours.encoder_urls = getattr(server_args, "encoder_urls", None) or None

@@ -241,6 +241,42 @@ def test_three_encoders_two_language_workers_32_chats_one_encoder_killed_halfway
 
 
 @pytest.mark.serial
+def test_more_images_than_an_encoder_takes_are_split_to_its_limit(cluster, tmp_path) -> None:
+    """40 images in one request, two encoders that take 16 each (their /health says so): three
+    parts, not two of 20 that both encoders refuse."""
+    _, lang = cluster
+    paths = []
+    for i in range(40):
+        paths.append(str(tmp_path / f"small{i}.png"))
+        make_image(56, 56, seed=500 + i).save(paths[-1])
+    parts = metric(lang, "epd_encoder_parts_total")
+    answer = requests.post(f"{lang.url}/generate", timeout=120, json={
+        "text": f"<|im_start|>user\n{P * 40}How many?<|im_end|>\n<|im_start|>assistant\n", "image_data": paths,
+        "sampling_params": {"max_new_tokens": 2}})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["num_tokens"] == 40 * 4  # 56x56: four merged patches each
+    assert metric(lang, "epd_encoder_parts_total") == parts + 3
+
+
+def test_a_clients_bad_input_is_its_400_and_blames_no_encoder(cluster, images) -> None:  # noqa: F811
+    """An image reference with a NUL byte is refused as the client's error (400), not an encoder
+    failure (502, the encoder out of rotation); an empty chat is 400; the encoder's /encode
+    refuses fields it does not know."""
+    encoders, lang = cluster
+    retries = metric(lang, "epd_encoder_retries_total")
+    nul = requests.post(f"{lang.url}/generate", timeout=60, json={
+        "text": f"<|im_start|>user\n{P}?<|im_end|>\n<|im_start|>assistant\n", "image_data": [images["small"] + "\x00.png"]})
+    assert nul.status_code == 400 and "must not contain a NUL character" in nul.json()["error"], nul.text
+    chat = requests.post(f"{lang.url}/v1/chat/completions", json={"model": "qwen", "messages": []}, timeout=60)
+    assert chat.status_code == 400 and "messages" in chat.text, chat.text
+    empty = requests.post(f"{lang.url}/generate", json={"messages": []}, timeout=60)
+    assert empty.status_code == 400 and "messages" in empty.text, empty.text
+    unknown = requests.post(f"{encoders[0].url}/encode", timeout=60, json={
+        "rid": "unknown-field", "bootstrap_room": 12345, "images": [images["small"]], "nonsense": 1})
+    assert unknown.status_code == 400 and "unknown field(s) 'nonsense'" in unknown.json()["error"], unknown.text
+    assert metric(lang, "epd_encoders_healthy") == 2 and metric(lang, "epd_encoder_retries_total") == retries
+
+
 def test_asleep_or_aborted_requests_blame_no_encoder(cluster, tmp_path) -> None:
     """A language worker asleep answers 503 with Retry-After before asking any encoder; an
     /abort_request while its images are being encoded ends the request at once and gives every

@@ -61,10 +61,11 @@ def workers(folder, tmp_path_factory):
     """The encoder and the SGLang language server every test uses; a second language server on
     the same encoder (smg's second one, then killed and started again on its checkpoint folder)
     starts beside the first, so both start in one wait."""
-    encode = WorkerProcess("encode", "--model-path", folder)
+    encode = WorkerProcess("encode", "--model-path", folder, "--admin-api-key", ADMIN_KEY)
     LANGUAGE_ARGS[:] = ["language", "--model-path", folder, "--encoder-urls", encode.url, "--max-total-tokens", "32768",
                         "--skip-server-warmup", "--enable-metrics"]
-    second_args = [*LANGUAGE_ARGS, "--checkpoint-dir", str(tmp_path_factory.mktemp("sglang-checkpoint"))]
+    second_args = [*LANGUAGE_ARGS, "--checkpoint-dir", str(tmp_path_factory.mktemp("sglang-checkpoint")),
+                   "--admin-api-key", ADMIN_KEY]
     with ThreadPoolExecutor(2) as pool:
         starting = [pool.submit(WorkerProcess, *args, command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
                     for args in (LANGUAGE_ARGS, second_args)]
@@ -84,6 +85,8 @@ def workers(folder, tmp_path_factory):
     encode.stop()
 
 
+ADMIN_KEY = "admin-key-for-the-tests"  # the encoder's and the second language server's --admin-api-key
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 LANGUAGE_ARGS: list[str] = []  # how the module's language servers start
 SECOND: list[WorkerProcess] = []  # the second language server (smg's second worker), the last started last
 SECOND_ARGS: list[str] = []
@@ -410,7 +413,10 @@ def test_a_language_server_killed_asleep_restarts_from_disk_and_its_requests_go_
     with ThreadPoolExecutor(1) as pool:
         pool.submit(requests.post, f"{language.url}/generate", json=big_body, timeout=60)  # dies with the kill
         time.sleep(0.3)  # the encoder is still encoding it
-        slept = requests.post(f"{language.url}/sleep", params={"level": "2", "preserve_state": "true"}, timeout=120)
+        refused = requests.post(f"{language.url}/sleep", params={"level": "2", "preserve_state": "true"}, timeout=60)
+        assert refused.status_code == 401, refused.text  # --admin-api-key: SGLang's middleware guards our routes
+        slept = requests.post(f"{language.url}/sleep", params={"level": "2", "preserve_state": "true"}, timeout=120,
+                              headers=ADMIN)
         assert slept.status_code == 200, slept.text
         assert slept.json()["checkpointed_generations"] == 2 and slept.json()["kept_requests"] == 1, slept.json()
         for process in [*psutil.Process(language.proc.pid).children(recursive=True), psutil.Process(language.proc.pid)]:
@@ -420,7 +426,8 @@ def test_a_language_server_killed_asleep_restarts_from_disk_and_its_requests_go_
     SECOND.append(restarted)
     refused = generate(restarted, [images["448x448"]], "asleep-on-start")
     assert refused.status_code == 503 and refused.headers["Retry-After"] == "5", refused.text
-    woke = requests.post(f"{restarted.url}/wake_up", timeout=120)
+    assert requests.post(f"{restarted.url}/wake_up", timeout=60).status_code == 401
+    woke = requests.post(f"{restarted.url}/wake_up", timeout=120, headers=ADMIN)
     assert woke.status_code == 200, woke.text
     big = requests.post(f"{restarted.url}/generate", json=big_body, timeout=240)
     assert big.status_code == 200, big.text
@@ -432,7 +439,8 @@ def test_a_language_server_killed_asleep_restarts_from_disk_and_its_requests_go_
     assert meta["restored_tokens"] >= len(before) and ids[:len(before)] == before
     assert ids[:NEW_TOKENS] == reference([images["448x448"]])
     assert all_free(requests.get(f"{restarted.url}/epd/health", timeout=10).json())
-    assert not any(Path(SECOND_ARGS[-1]).iterdir())  # every checkpoint consumed
+    folder = Path(SECOND_ARGS[SECOND_ARGS.index("--checkpoint-dir") + 1])
+    assert not any(folder.iterdir())  # every checkpoint consumed
 
 
 def test_an_image_the_encoder_refuses_is_the_clients_error(workers, images) -> None:
@@ -446,6 +454,22 @@ def test_an_image_the_encoder_refuses_is_the_clients_error(workers, images) -> N
     assert answer.status_code == 400, answer.text
     assert "only read inside --allowed-local-media-path" in answer.json()["error"]["message"]
     assert generate(language, [], "text-after", text="Hello").status_code == 200
+
+
+def test_the_encoders_sleep_and_wake_need_its_admin_key(workers) -> None:
+    """``--admin-api-key`` on our encode worker: /sleep and /wake_up without it (or with another
+    key) are 401 and change nothing; with it they work. (The language servers' are SGLang's
+    middleware's, in the restart test.)"""
+    encode, _ = workers
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ADMIN_KEY}):
+        refused = requests.post(f"{encode.url}/sleep", params={"preserve_state": "true"}, headers=headers, timeout=60)
+        assert refused.status_code == 401 and "admin API key" in refused.json()["error"], refused.text
+        assert requests.post(f"{encode.url}/wake_up", headers=headers, timeout=60).status_code == 401
+    assert requests.get(f"{encode.url}/health", timeout=10).json()["state"] == "awake"
+    slept = requests.post(f"{encode.url}/sleep", params={"preserve_state": "true"}, headers=ADMIN, timeout=60)
+    assert slept.status_code == 200 and slept.json()["is_sleeping"], slept.text
+    woke = requests.post(f"{encode.url}/wake_up", headers=ADMIN, timeout=60)
+    assert woke.status_code == 200 and not woke.json()["is_sleeping"], woke.text
 
 
 def test_an_encoders_death_is_a_clear_error_and_the_server_lives_on(workers, images) -> None:
