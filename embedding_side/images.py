@@ -9,7 +9,8 @@ What a client may name is a :class:`MediaPolicy` (the flags follow vLLM's):
 * ``http(s)://`` only to ``--allowed-media-domains`` when given; otherwise to any host whose
   addresses are all public, unless ``--allow-private-media-urls``. Redirects are followed by
   hand, each target checked the same way; the connection goes to the address that was checked
-  (the name is not resolved a second time);
+  (the name is not resolved a second time); the whole fetch ends within ``--image-fetch-timeout``
+  however slowly the server sends;
 * at most ``--max-image-pixels`` pixels, read from the header before anything is decoded;
 * decoding and preprocessing of all requests together within ``--decode-memory-bytes``
   (reserved from the header sizes, see :func:`embedding_side.encoders.decode_bytes`).
@@ -28,6 +29,7 @@ import ipaddress
 import os
 import socket
 import stat
+import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -116,8 +118,17 @@ def _undecodable(ref: str, exc: BaseException) -> ImageInputError:
     return ImageInputError(f"{describe(ref)}: not a decodable PNG, JPEG or WebP image ({type(exc).__name__})")
 
 
+def _scheme(ref: str) -> str:
+    return urllib.parse.urlsplit(ref).scheme.lower() if "://" in ref or ref.startswith("data:") else ""
+
+
+def is_remote(ref: object) -> bool:
+    """Whether reading ``ref`` means fetching it from another host (http or https)."""
+    return isinstance(ref, str) and _scheme(ref) in ("http", "https")
+
+
 def _fetch(ref: str, policy: MediaPolicy) -> bytes:
-    scheme = urllib.parse.urlsplit(ref).scheme.lower() if "://" in ref or ref.startswith("data:") else ""
+    scheme = _scheme(ref)
     if scheme == "data":
         return _data_uri(ref, policy.max_bytes)
     if scheme in ("http", "https"):
@@ -151,14 +162,17 @@ def _read_file(path: str, ref: str, policy: MediaPolicy) -> bytes:
         os.close(fd)
 
 
-def _read_bounded(read, ref: str, max_bytes: int) -> bytes:
-    """Read until EOF, failing as soon as more than ``max_bytes`` came."""
+def _read_bounded(read, ref: str, max_bytes: int, deadline: float | None = None) -> bytes:
+    """Read until EOF, failing as soon as more than ``max_bytes`` came (or, with ``deadline``, at
+    the first read that ends after it: ``TimeoutError``)."""
     chunks, total = [], 0
     while chunk := read(min(1 << 20, max_bytes + 1 - total)):
         chunks.append(chunk)
         total += len(chunk)
         if total > max_bytes:
             raise ImageInputError(f"{describe(ref)}: larger than the {max_bytes}-byte limit")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError
     return b"".join(chunks)
 
 
@@ -195,32 +209,37 @@ def _port(parts: urllib.parse.SplitResult) -> int:
 
 
 def _http(url: str, policy: MediaPolicy) -> bytes:
+    """The body at ``url``, the whole fetch (connections, redirects, body) within
+    ``policy.fetch_timeout``: a server that drips its bytes is cut off at that deadline."""
+    deadline = time.monotonic() + policy.fetch_timeout
     try:
         for _ in range(MAX_REDIRECTS + 1):
-            with _get(url, _check_url(url, policy), policy) as resp:
+            with _get(url, _check_url(url, policy), max(0.01, deadline - time.monotonic())) as resp:
                 if resp.status in (301, 302, 303, 307, 308) and "location" in resp.headers:
                     url = urllib.parse.urljoin(url, resp.headers["location"])
                     continue
                 if resp.status != 200:
                     raise ImageInputError(f"{describe(url)}: HTTP {resp.status}")
-                return _read_bounded(resp.read, url, policy.max_bytes)
+                # read1: whatever has come (a read of n bytes would wait for all n), the deadline
+                # checked between reads; each read is bounded by the socket's timeout
+                return _read_bounded(resp.read1, url, policy.max_bytes, deadline)
         raise ImageInputError(f"{describe(url)}: more than {MAX_REDIRECTS} redirects")
-    except urllib3.exceptions.NewConnectionError as exc:  # (urllib3 files it under timeouts)
-        raise ImageInputError(f"{describe(url)}: unreachable ({type(exc).__name__})") from None
-    except urllib3.exceptions.TimeoutError:
-        raise ImageInputError(f"{describe(url)}: no answer within {policy.fetch_timeout:g}s") from None
     except (urllib3.exceptions.HTTPError, OSError) as exc:
+        if time.monotonic() >= deadline or isinstance(exc, urllib3.exceptions.TimeoutError) and not isinstance(
+                exc, urllib3.exceptions.NewConnectionError):  # (urllib3 files a refused connection under timeouts)
+            raise ImageInputError(f"{describe(url)}: not fetched within {policy.fetch_timeout:g}s") from None
         raise ImageInputError(f"{describe(url)}: unreachable ({type(exc).__name__})") from None
 
 
 @contextlib.contextmanager
-def _get(url: str, connect_to: str, policy: MediaPolicy) -> Iterator[urllib3.BaseHTTPResponse]:
+def _get(url: str, connect_to: str, seconds: float) -> Iterator[urllib3.BaseHTTPResponse]:
     """GET ``url`` over a connection to ``connect_to`` (an address or the URL's own host): the
     Host header, TLS server name and certificate check still use the URL's host. No proxy, no
-    redirect followed, nothing read yet; the connection is closed on leaving."""
+    redirect followed, nothing read yet; the connection is closed on leaving. ``seconds``
+    bounds the connection and each read."""
     parts = urllib.parse.urlsplit(url)
     pool_args = {"host": connect_to, "port": _port(parts), "retries": False,
-                 "timeout": urllib3.Timeout(connect=policy.fetch_timeout, read=policy.fetch_timeout)}
+                 "timeout": urllib3.Timeout(connect=seconds, read=seconds)}
     if parts.scheme.lower() == "https":
         pool = urllib3.HTTPSConnectionPool(**pool_args, server_hostname=parts.hostname,
                                            assert_hostname=parts.hostname, cert_reqs="CERT_REQUIRED",

@@ -60,7 +60,7 @@ from connector.sleep import SleepGate, WorkerState
 from connector.staging import ByteBudget
 from embedding_side import checkpoint
 from embedding_side.encoders import VisionEncoder, decode_bytes, tokens_for
-from embedding_side.images import ImageInputError, MediaPolicy, decode_image, open_image
+from embedding_side.images import ImageInputError, MediaPolicy, decode_image, is_remote, open_image
 from embedding_side.positions import image_positions
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,8 @@ class EncodeWorker:
                                          secret=config.secret)
         self.bootstrap.put_route(1, 1, config.host, self.sender.rank_port, 0)
         self._loaders = ThreadPoolExecutor(4, thread_name_prefix="encode-load")
+        # remote images on their own threads: slow servers cannot hold up local files and data: URIs
+        self._fetchers = ThreadPoolExecutor(4, thread_name_prefix="encode-fetch")
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="encode-compute")  # the cores are few
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # rids between arrival and answer
@@ -191,7 +193,8 @@ class EncodeWorker:
         loop = asyncio.get_running_loop()
         sender.failure_exception()  # aborted by its language peer before it arrived
         try:
-            images = await loop.run_in_executor(self._loaders, self._open, refs)
+            reader = self._fetchers if any(is_remote(ref) for ref in refs) else self._loaders
+            images = await loop.run_in_executor(reader, self._open, refs)
         except ImageInputError as exc:
             raise TransferFailure(FailureKind.BAD_REQUEST, str(exc)) from None
         try:
@@ -385,6 +388,7 @@ class EncodeWorker:
 
     def close(self) -> None:
         self._loaders.shutdown(wait=False, cancel_futures=True)
+        self._fetchers.shutdown(wait=False, cancel_futures=True)
         self._compute.shutdown(wait=True, cancel_futures=True)
         self.sender.close()
         self.bootstrap.close()

@@ -142,7 +142,8 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                         f"--queue-timeout, then 503) (default %(default)s = {DEFAULT_DECODE_BYTES / 2**30:g} GiB)")
     m.add_argument("--image-max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="per image (default %(default)s)")
     m.add_argument("--image-fetch-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help="http(s) images (default %(default)s)")
+                   help="seconds for the whole fetch of an http(s) image, redirects and body included "
+                        "(default %(default)s)")
 
 
 def resolve_mode(args: argparse.Namespace) -> str:

@@ -68,8 +68,10 @@ def image_sources(image_data: Any) -> list[str]:
 class ResumableReceiver:
     """What SGLang's tokenizer manager calls ``mm_receiver`` (see the module docstring)."""
 
-    def __init__(self, dispatch: EncoderDispatch, dtype: torch.dtype) -> None:
-        self.dispatch, self.dtype = dispatch, dtype
+    def __init__(self, dispatch: EncoderDispatch, dtype: torch.dtype, keep_inputs: bool = False) -> None:
+        """``keep_inputs``: hold each request's image rows until it ends, for a disk checkpoint
+        (``--checkpoint-dir``); without one nothing is held past ``recv_mm_data``."""
+        self.dispatch, self.dtype, self.keep_inputs = dispatch, dtype, keep_inputs
         self._embedding: dict[str, asyncio.Task] = {}  # rid -> its images at the encoders
         # Until its request ends (see annotated), by rid: TRANSFER_META of its images, and their rows
         # (uint8, bf16 bits) and grids, which a disk checkpoint keeps of a generation
@@ -99,7 +101,8 @@ class ResumableReceiver:
             raise EmbeddingUnavailable(400, f"the prompt's image placeholders do not match its {len(images)} "
                                             f"image(s): {exc}") from None
         meta = embedded.meta
-        self._inputs[rid] = (embedded.rows, embedded.grids)
+        if self.keep_inputs:
+            self._inputs[rid] = (embedded.rows, embedded.grids)
         self._transfer_meta[rid] = {key: meta[key] for key in TRANSFER_META if key in meta}
         log.info("rid=%s: %d image tokens from %s, %d resume rounds, transfer %.0f ms, %d cached image(s); SGLang's "
                  "inputs built in %.0f ms", rid, len(embedded.rows), meta.get("encoders"), meta.get("resume_rounds", 0),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import re
@@ -10,8 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -219,6 +222,60 @@ def test_hostile_media_and_json_get_400_at_once_and_the_worker_serves_on(tmp_pat
         assert_pools_free(pair)
     finally:
         pair.stop()
+
+
+@pytest.mark.serial
+def test_a_dripping_image_server_is_cut_off_at_the_fetch_deadline_and_holds_up_no_local_image(tmp_path: Path) -> None:
+    """Eight image URLs whose server sends four bytes a second (the fetch threads take four at a
+    time): each ``/encode`` ends 400 once its whole fetch passed ``--image-fetch-timeout`` (2 s),
+    not when the drip ends, and a local image sent meanwhile is encoded at once."""
+    body = io.BytesIO()
+    make_image(64, 64, seed=9).save(body, format="PNG")
+    png = body.getvalue()
+
+    class Drip(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            try:
+                for byte in png:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(0.25)
+            except OSError:  # the encoder hung up
+                pass
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Drip)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    local = str(tmp_path / "local.png")
+    make_image(64, 64, seed=10).save(local)
+    encode = WorkerProcess("encode", "--encoder", "fake", "--image-fetch-timeout", "2")
+
+    def post(rid: str, room: int, ref: str) -> tuple[requests.Response, float]:
+        start = time.monotonic()
+        answer = requests.post(f"{encode.url}/encode", timeout=60, json={
+            "rid": rid, "bootstrap_room": room, "images": [ref], "wait_for_delivery": False})
+        return answer, time.monotonic() - start
+
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/slow.png"
+        with ThreadPoolExecutor(9) as pool:
+            slow = [pool.submit(post, f"slow{i}", 7000 + i, url) for i in range(8)]
+            time.sleep(0.5)
+            answer, took = post("local", 7100, local)
+            assert answer.status_code == 200 and took < 1.5, (answer.text, took)
+            for future in slow:
+                answer, took = future.result()
+                assert answer.status_code == 400 and "not fetched within 2s" in answer.json()["error"], answer.text
+                assert took < 6, took  # two rounds of four fetches, 2 s each
+    finally:
+        encode.stop()
+        server.shutdown()
 
 
 def test_with_a_shared_secret_the_workers_serve_each_other_and_count_what_strangers_send(images) -> None:
