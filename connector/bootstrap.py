@@ -163,7 +163,7 @@ def fetch_route(bootstrap_addr: str, room: int, engine_rank: int = 0, timeout: f
         sizes.raise_for_status()
         info = sizes.json()
         if info.get("embedding_dp_size") is None:
-            raise ConnectionError(f"encode bootstrap {bootstrap_addr} has no registered rank yet")
+            raise ValueError("no rank registered yet")
         dp_group = room % int(info["embedding_dp_size"])
         resp = requests.get(f"{base}/route", params={"engine_rank": engine_rank, "target_dp_group": dp_group},
                             timeout=timeout, headers=headers)
@@ -171,4 +171,7 @@ def fetch_route(bootstrap_addr: str, room: int, engine_rank: int = 0, timeout: f
         body = resp.json()
         return RankRoute(str(body["rank_ip"]), int(body["rank_port"]), resp.headers.get(INCARNATION_HEADER))
     except (requests.RequestException, ValueError, KeyError) as exc:
-        raise ConnectionError(f"encode bootstrap {bootstrap_addr} unreachable or invalid: {exc}") from exc
+        # The client that named this address learns only that it gave no route: what the remote
+        # end answered (a status, a banner, refused or silent) stays in this worker's log.
+        log.warning("route lookup at %s failed: %s", bootstrap_addr, exc)
+        raise ConnectionError(f"encode bootstrap {bootstrap_addr} unreachable or gave no valid route") from None

@@ -10,6 +10,7 @@ import secrets
 import signal
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -164,6 +165,53 @@ def check_host(value: str) -> str:
             raise HTTPError(400, "bootstrap_host must be a host name or an IP address") from None
         return value
     return f"[{address}]" if address.version == 6 else str(address)
+
+
+class BootstrapAllowList:
+    """The encoders a request may name by ``bootstrap_host``/``bootstrap_port`` (the two-request
+    flow): the hosts of ``--encoder-urls`` and the entries of ``--allowed-bootstrap-hosts``
+    (``host`` for any port of it, or ``host:port``). Anything else is refused with 403 before
+    this worker contacts it, so a client cannot make it fetch or probe a host of its choosing."""
+
+    def __init__(self, entries: list[str], encoder_urls: list[str]) -> None:
+        self._hosts: set[str] = set()
+        self._addrs: set[tuple[str, int]] = set()
+        for url in encoder_urls:
+            self._hosts.add(_canonical_host(urlsplit(url).hostname or ""))
+        for entry in entries:
+            host, port = _host_and_port(entry)
+            if port is None:
+                self._hosts.add(_canonical_host(host))
+            else:
+                self._addrs.add((_canonical_host(host), port))
+
+    def check(self, host: str, port: int) -> None:
+        """HTTPError 403 unless ``host:port`` (``host`` as :func:`check_host` returned it) is allowed."""
+        name = _canonical_host(host.strip("[]"))
+        if name not in self._hosts and (name, port) not in self._addrs:
+            raise HTTPError(403, f"bootstrap_host {host}:{port} is not an encoder this worker may contact (start it "
+                                 f"with --allowed-bootstrap-hosts {host} or name it in --encoder-urls)")
+
+
+def _host_and_port(entry: str) -> tuple[str, int | None]:
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` (a bare IPv6 address has no port)."""
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif entry.count(":") == 1:
+        host, port = entry.split(":")
+    else:
+        host, port = entry, ""
+    if not host or (port and not (port.isdigit() and 0 < int(port) < 65536)):
+        raise ValueError(f"--allowed-bootstrap-hosts: {entry!r} is not host, host:port or [IPv6]:port")
+    return host, int(port) if port else None
+
+
+def _canonical_host(value: str) -> str:
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        return value.lower().removesuffix(".")
 
 
 def check_room(value: object) -> int:

@@ -20,8 +20,13 @@ Registration belongs to its owner. A register that names an endpoint another ses
 registered is added beside it, never in its place; the endpoint is pinged (ping numbers are
 unguessable), and the session that answers from there is the one living at that endpoint:
 every other session registered there is dropped (a restarted or woken worker's old session, or
-an impostor's). A register that moves a session to another endpoint while that session has
-live rooms is refused (the same endpoint may register a new pool: a woken worker does).
+an impostor's). A register that would change what a session of ours already registered (its
+pool: a woken worker registers a new one; or its endpoint) is a *claim*, taken only once that
+session's endpoint settles it: the claim is taken when the endpoint answers a ping with the
+claim's generation, or answers no ping for ``max_misses`` intervals (the process is gone); it
+is dropped when the endpoint answers with another generation, or answers at all while the claim
+names another endpoint. No write to the session starts while a claim is open. A fork peer's
+session cannot answer pings: a register moving it elsewhere is refused while it has live rooms.
 """
 
 from __future__ import annotations
@@ -118,6 +123,7 @@ class PongOutcome:
     confirmed: bool  # the answering session may be written now
     dropped: list[tuple[str, LanguagePeer]]  # sessions that no longer live at the answering endpoint
     answering: LanguagePeer | None
+    refused_claim: str = ""  # why a register the answer settled was dropped ("" if none was)
 
 
 class LanguagePeers:
@@ -129,6 +135,7 @@ class LanguagePeers:
         self.interval, self.max_misses = interval, max_misses
         self.stall = StallWatch(threshold=max(1.0, interval / 2))
         self._peers: dict[str, LanguagePeer] = {}
+        self._claims: dict[str, LanguagePeer] = {}  # session -> a register its endpoint has not settled yet
         self._seq = 0
         self._registers = 0
 
@@ -150,18 +157,26 @@ class LanguagePeers:
         return any(p.address == (host, port) for p in self._peers.values())
 
     def register(self, msg: RegisterMsg, mismatch: str, busy: Callable[[], set[str]]) -> str:
-        """Record a register; returns why it was refused ("" when it was taken). ``busy`` gives
-        the sessions that have live rooms."""
+        """Record a register; returns why it was refused ("" when it was taken, or held as a
+        claim until the session's endpoint settles it). ``busy`` gives the sessions that have
+        live rooms."""
         self._registers += 1
         new = LanguagePeer(msg.endpoint, msg.dst_port, msg.base_ptrs, msg.generation, msg.num_blocks,
                            msg.item_lens, mismatch, order=self._registers)
         old = self._peers.get(msg.session_id)
         if old is not None and old.same_pool(new):
             self._peers[msg.session_id] = self._peers.pop(msg.session_id)  # a repeat: the newest, for eviction
+            self._claims.pop(msg.session_id, None)  # its owner says again what it has
             return ""
-        if old is not None and None not in (old.generation, new.generation) and new.generation < old.generation:
+        if (old is not None and old.address == new.address and None not in (old.generation, new.generation)
+                and new.generation < old.generation):
             return (f"session {msg.session_id} registered with generation {new.generation}, older than its "
                     f"{old.generation} (a replayed register?)")
+        if old is not None and self.speaks_ours(msg.session_id):
+            self._claims[msg.session_id] = new
+            if not old.pings:
+                self._ping(msg.session_id, old, self.stall.epoch())
+            return ""
         if old is not None and old.address != new.address and msg.session_id in busy():
             return (f"session {msg.session_id} registered again from {msg.endpoint}:{msg.dst_port} while it has "
                     f"live rooms at {old.endpoint}:{old.port}")
@@ -171,15 +186,19 @@ class LanguagePeers:
             if idle is None:
                 return f"{len(self._peers)} sessions registered, all with live rooms"
             del self._peers[idle]
+            self._claims.pop(idle, None)
+        self._take(msg.session_id, new)
+        return ""
+
+    def _take(self, session: str, new: LanguagePeer) -> None:
         # Not confirmed yet (confirmed_epoch -1): a register handled after a stall may be stale, so
         # the first write waits for one ping round trip.
-        self._peers.pop(msg.session_id, None)
-        self._peers[msg.session_id] = new
+        self._peers.pop(session, None)
+        self._peers[session] = new
         sharing = [(s, p) for s, p in self._peers.items() if p.address == new.address]
         if len(sharing) > 1 and self.speaks_ours_at(*new.address):  # who answers from there lives there
-            for session, peer in sharing:
-                self._ping(session, peer, self.stall.epoch())
-        return ""
+            for other, peer in sharing:
+                self._ping(other, peer, self.stall.epoch())
 
     def may_write(self, session: str) -> bool:
         """A write to ``session`` may start now; if not, a ping is on its way and :meth:`on_pong`
@@ -187,6 +206,8 @@ class LanguagePeers:
         peer = self._peers.get(session)
         if peer is None or not self.speaks_ours(session):
             return True  # fork peers are never pinged; an unknown session fails in the write, by name
+        if session in self._claims:
+            return False  # which pool it has is not settled: the answer to the claim's ping starts it
         epoch = self.stall.epoch()
         if peer.confirmed_epoch == epoch:
             return True
@@ -202,28 +223,49 @@ class LanguagePeers:
         if pinged is None or answering is None or answering.address != pinged.address:
             return None
         epoch = pinged.pings.pop(msg.seq)
+        refused = ""
+        claim = self._claims.pop(msg.session_id, None)
+        if claim is not None:
+            if claim.address == answering.address and msg.generation in (None, claim.generation):
+                claim.pings = answering.pings  # the same endpoint: its pings are still out
+                self._take(msg.session_id, claim)
+                answering = claim
+            elif claim.address == answering.address:
+                refused = (f"a register for session {msg.session_id} named generation {claim.generation}; "
+                           f"its endpoint {claim.endpoint}:{claim.port} answers with {msg.generation}")
+            else:
+                refused = (f"a register moved session {msg.session_id} to {claim.endpoint}:{claim.port}; "
+                           f"it answers at {answering.endpoint}:{answering.port}")
         dropped = [(s, p) for s, p in self._peers.items() if p.address == answering.address and p is not answering]
         for session, _ in dropped:
             del self._peers[session]
+            self._claims.pop(session, None)
         answering.pings = {seq: e for seq, e in answering.pings.items() if seq > msg.seq}  # older ones are answered too
         answering.misses = 0
         answering.confirmed_epoch = max(answering.confirmed_epoch, epoch)
-        return PongOutcome(answering.confirmed_epoch == self.stall.epoch(), dropped, answering)
+        return PongOutcome(answering.confirmed_epoch == self.stall.epoch(), dropped, answering, refused)
 
     def beat(self, live_sessions: set[str]) -> list[tuple[str, str]]:
         """One heartbeat interval: count misses, ping again; returns ``(session, why)`` of the
-        sessions that are now dead (forget nothing: a late answer brings one back)."""
+        sessions with live rooms that are now dead (forget nothing: a late answer brings one
+        back). A claimed session whose endpoint stays silent goes to its claim."""
         dead = []
         epoch = self.stall.epoch()
-        for session in live_sessions:
+        for session in live_sessions | set(self._claims):
             peer = self._peers.get(session)
             if peer is None or not self.speaks_ours(session):
                 continue
             if any(e == epoch for e in peer.pings.values()):  # a ping of this epoch is still unanswered
                 peer.misses += 1
             if peer.misses >= self.max_misses:
-                dead.append((session, f"{peer.misses} pings in a row unanswered ({self.interval:g}s apart)"))
+                why = f"{peer.misses} pings in a row unanswered ({self.interval:g}s apart)"
                 peer.misses, peer.pings = 0, {}
+                if session in live_sessions:
+                    dead.append((session, why))
+                if (claim := self._claims.pop(session, None)) is not None:
+                    log.warning("session %s moves to %s:%d: %s at %s:%d", session, claim.endpoint, claim.port, why,
+                                peer.endpoint, peer.port)
+                    self._take(session, claim)
                 continue
             self._ping(session, peer, epoch)
         return dead

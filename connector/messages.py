@@ -11,7 +11,9 @@ Language -> encoder (the encoder's PULL socket):
 * abort ``[b"ABORT", room, endpoint, dst_port, generation]``;
 * suspend ``[b"SUSPEND", room, endpoint, dst_port, generation]`` (ours, for sleep): write nothing
   more for the room until a resume, which may come from a new session of the same worker;
-* pong ``[b"PONG", session_id, seq]`` (ours): the answer to a ping.
+* pong ``[b"PONG", session_id, seq, generation]`` (ours): the answer to a ping, with the
+  generation of the pool the answering session has registered now (a register for that session
+  is taken only if the generation its endpoint answers with is the register's).
 
 Encoder -> language (the language side's PULL socket):
 
@@ -195,13 +197,16 @@ class PingMsg:
 
 @dataclass(frozen=True)
 class PongMsg:
-    """Language -> encoder: session ``session_id`` answers ping ``seq``."""
+    """Language -> encoder: session ``session_id``, whose pool is of ``generation``, answers ping
+    ``seq`` (``generation`` None: a peer that does not say)."""
 
     session_id: str
     seq: int
+    generation: int | None = None
 
     def encode(self) -> list[bytes]:
-        return [PONG_TAG, self.session_id.encode(), str(self.seq).encode()]
+        frames = [PONG_TAG, self.session_id.encode(), str(self.seq).encode()]
+        return frames if self.generation is None else [*frames, str(self.generation).encode()]
 
 
 _CONTROLS = {cls.TAG: cls for cls in (AbortMsg, SuspendMsg)}
@@ -225,9 +230,10 @@ def decode_encoder_bound(frames: list[bytes]) -> EncoderBound:
         return RegisterMsg(_host(frames[1], "endpoint"), _port(frames[2]), _session(frames[3]),
                            _unpack_u64(frames[4], "base pointers"), generation, num_blocks, item_lens)
     if head == PONG_TAG:
-        if n != 3:
-            raise ProtocolError(f"pong needs 3 frames, got {n}")
-        return PongMsg(_session(frames[1]), _int(frames[2], "seq", 0, MAX_ROOM))
+        if n not in (3, 4):
+            raise ProtocolError(f"pong needs 3 or 4 frames, got {n}")
+        generation = _int(frames[3], "generation", 0, MAX_ROOM) if n == 4 else None
+        return PongMsg(_session(frames[1]), _int(frames[2], "seq", 0, MAX_ROOM), generation)
     if head in _CONTROLS:
         if n != 5:
             raise ProtocolError(f"{head.decode().lower()} needs 5 frames, got {n}")

@@ -54,6 +54,7 @@ from connector.messages import (
     SuspendMsg,
     decode_language_bound,
 )
+from connector.peer_health import FailingPeers
 from connector.poll import KVPoll, RoomState
 from connector.rejections import Rejections
 from connector.transport import Transport
@@ -133,6 +134,7 @@ class EmbeddingReceiver:
         self._spilled = 0  # tokens [0, _spilled) already copied into _out
         self._aux = None
         self._aborted_at = 0.0
+        self._failure_noted = False  # counted in the manager's FailingPeers
         # The reference fork's strategy, kept only to measure against (scripts/bench_resume.py):
         # copy every partial round out of the pool and concatenate all copies at the end.
         self.clone_concat = False
@@ -251,6 +253,7 @@ class EmbeddingReceiver:
             if self.phase in (R.CLOSED, R.ABORTING) or not self.state.fail(kind, reason):
                 return
             extended = self.route.extended
+            self._note_failure()
             if self.phase in (_MAYBE_IN_FLIGHT if extended else _FORK_OWES_A_ROUND):
                 self._move(R.ABORTING)
                 self._aborted_at = self._m.clock()
@@ -371,8 +374,15 @@ class EmbeddingReceiver:
         self._m.allocator.free([b for rnd in self._rounds for b in rnd.block_ids])
         self._rounds = []
 
+    def _note_failure(self) -> None:
+        """Count a failed room against its encoder once, as soon as it failed (for /health)."""
+        if self.state.status == KVPoll.Failed and not self._failure_noted:
+            self._failure_noted = True
+            self._m.failing.failed(self.bootstrap_addr, self.state.kind, self.state.reason)
+
     def _close(self) -> None:
         """Give back every block still held and forget the room."""
+        self._note_failure()
         self._free_rounds()
         self._move(R.CLOSED)
         self._m._forget(self)
@@ -415,6 +425,7 @@ class EmbeddingReceiver:
                 return
             self.state.advance(KVPoll.Success, landed)
             self._move(R.LANDED)
+            self._m.failing.succeeded(self.bootstrap_addr)
         else:
             if landed >= self.total_tokens:
                 self._fail_bad(f"Transferring although all {self.total_tokens} tokens were allocated")
@@ -468,6 +479,7 @@ class EmbeddingReceiverManager:
         self.generation = generation if generation is not None else time.time_ns() & (2**63 - 1)
         self.stats: collections.Counter[str] = collections.Counter()
         self.rejections = Rejections(log)
+        self.failing = FailingPeers()  # encoders whose rooms keep failing, for /health
         self._lock = threading.RLock()
         self._rooms: dict[int, EmbeddingReceiver] = {}
         self._registered: set[tuple[str, int]] = set()  # encode ranks that have our register
@@ -647,7 +659,8 @@ class EmbeddingReceiverManager:
             with self._lock:
                 known = (msg.endpoint, msg.port) in self._ranks
             if known:  # never to an address a stranger names (it may be a fork encoder, or no one)
-                self._push.try_send(msg.endpoint, msg.port, PongMsg(self.transport.session_id, msg.seq).encode())
+                self._push.try_send(msg.endpoint, msg.port, PongMsg(self.transport.session_id, msg.seq,
+                                                                           self.generation).encode())
             else:
                 self.rejections.reject("not_owner", f"ping from {msg.endpoint}:{msg.port}, no encode rank of ours")
             return
@@ -660,12 +673,25 @@ class EmbeddingReceiverManager:
                 if msg.generation == self.generation and receiver.phase == R.SUSPENDING:
                     receiver._move(R.SUSPENDED)
                     receiver._notify()
+                elif receiver.phase in _MAYBE_IN_FLIGHT:
+                    # Suspended there on a SUSPEND we never sent: it would write nothing more until
+                    # we resumed it, which we would not know to do. Give it up (the abort ends it there).
+                    self.stats["foreign_suspend"] += 1
+                    receiver.abort(FailureKind.ABORTED, f"{receiver.peer_name} suspended the room on a SUSPEND "
+                                                        "this worker did not send")
                 else:
                     self.stats["stale_message"] += 1
                 return
             if isinstance(msg, AbortAckMsg):
                 if msg.generation == self.generation and receiver.phase == R.ABORTING:
                     self.stats["abort_acked"] += 1
+                    receiver._close()
+                elif receiver.phase in _MAYBE_IN_FLIGHT:
+                    # The encoder gave the room up on an ABORT we never sent (a stranger named our
+                    # endpoint): it is gone there, and an ack comes only with nothing in flight.
+                    self.stats["foreign_abort"] += 1
+                    receiver.state.fail(FailureKind.ABORTED, f"{receiver.peer_name} ended the room on an ABORT "
+                                                             "this worker did not send")
                     receiver._close()
                 else:
                     self.stats["stale_message"] += 1

@@ -17,7 +17,7 @@ REASONS = (
     "unregistered_session",  # an init or resume from a session that never registered
     "not_owner",  # an abort, suspend or resume for a room the sender does not own
     "register_conflict",  # a register that would replace a busy session's pool with another
-    "register_takeover",  # a register for an endpoint whose real owner answered the ping
+    "register_takeover",  # a register for an endpoint or session whose real owner answered the ping
     "register_limit",  # too many registered sessions, none idle
     "refused_round",  # an init or resume its sender owns but that cannot be served (geometry, blocks)
     "unknown_room",  # a status or ack for a room this side does not have

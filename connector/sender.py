@@ -48,6 +48,7 @@ from connector.messages import (
     check_blocks,
     decode_encoder_bound,
 )
+from connector.peer_health import FailingPeers
 from connector.poll import KVPoll
 from connector.rejections import Rejections
 from connector.sender_rooms import Destination, SenderPhase, SenderRoom, Write
@@ -136,6 +137,7 @@ class EmbeddingSenderManager:
         self.clock = clock
         self.stats: collections.Counter[str] = collections.Counter()
         self.rejections = Rejections(log)
+        self.failing = FailingPeers()  # language peers whose rooms keep failing, for /health
         self.staging = ByteBudget(config.staging_bytes)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # a write settled or data moved
@@ -352,6 +354,8 @@ class EmbeddingSenderManager:
             return
         self.stats[f"failed:{kind.value}"] += 1
         log.warning("room %d failed: %s", r.room, reason)
+        for d in r.dsts:
+            self.failing.failed(f"{d.endpoint}:{d.port}", kind, reason)
         if notify:
             status = StatusMsg(r.room, KVPoll.Failed, r.state.progress.sent_tokens, wire_reason(kind, reason))
             for d in r.dsts:
@@ -567,6 +571,8 @@ class EmbeddingSenderManager:
         outcome = self.peers.on_pong(msg)
         if outcome is None:
             return
+        if outcome.refused_claim:
+            self.rejections.reject("register_takeover", outcome.refused_claim)
         for session, gone in outcome.dropped:  # not the session living at that endpoint (any more)
             name = f"{gone.endpoint}:{gone.port}"
             if gone.order > outcome.answering.order:
@@ -791,6 +797,8 @@ class EmbeddingSenderManager:
             self._end(r)
         elif r.state.status == KVPoll.Success:
             r.move(P.DONE)
+            for d in r.dsts:
+                self.failing.succeeded(f"{d.endpoint}:{d.port}")
             r.delivered.set_result(None)
             self._end(r)
         elif r.pending_suspend_acks:

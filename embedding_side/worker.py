@@ -55,6 +55,7 @@ from connector.failures import FailureKind, TransferFailure
 from connector.http_util import wait_for_future
 from connector.metrics import WorkerMetrics
 from connector.mooncake_transport import MooncakeTransport
+from connector.peer_health import health_status
 from connector.sender import EmbeddingSender, EmbeddingSenderManager, SenderRoomCheckpoint
 from connector.sleep import SleepGate, WorkerState
 from connector.staging import ByteBudget
@@ -292,7 +293,8 @@ class EncodeWorker:
 
     def health(self) -> dict:
         free, total = pool_blocks(self.allocator)
-        return {"status": "sleeping" if self.gate.is_sleeping() else "ok", "role": "encode",
+        failing = self.sender.failing.report()
+        return {"status": health_status(self.gate.is_sleeping(), failing), "role": "encode", "failing_language_peers": failing,
                 "state": self.gate.state.value, "bootstrap_port": self.bootstrap.port,
                 "preprocessing": self.encoder.fingerprint(), "max_images": self.media.max_images, "free_blocks": free,
                 "num_blocks": total, "active_rooms": self.sender.active_rooms(), **self._queues()}

@@ -6,7 +6,9 @@ more parts where one would pass the images an encoder takes per ``/encode``; eac
 part has its own room and is received like any two-request transfer (rounds and resumes as
 needed); the parts are joined in image order, each part's digest checked against the one its
 encoder reported. A part whose encoder cannot be reached, is busy (408/429/503) or fails is sent
-again, with a new room, to another encoder, up to ``max_attempts`` in all; that encoder gets
+again, with a new room, to another encoder, up to ``max_attempts`` in all, as soon as either
+side sees the failure (the ``/encode`` answer, or this worker's room failing: the encoder found
+dead, an init refused, the room aborted; the ``/encode`` is then dropped); that encoder gets
 no new part until its ``/health`` answers again (probed at most once a second, at once when no
 other is left). An
 encoder's other 4xx is about the images: the client's error, with that status, not retried.
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL = 1.0  # seconds between /health probes of an encoder taken out of rotation
 ENCODER_MAX_IMAGES = 16  # images per /encode an encoder takes until its /health says otherwise
 FIRST_ESTIMATE = 1024  # image tokens assumed for an image before any encoder has answered
+ABOUT_THE_IMAGES = frozenset({FailureKind.BAD_REQUEST, FailureKind.TOO_LARGE})
+REFUSAL_GRACE_S = 2.0  # how long a room failed for its images waits for the encoder's own refusal
 # failures of this worker's own side: another encoder would not help
 OUR_SIDE = frozenset({FailureKind.CANCELLED, FailureKind.ASLEEP, FailureKind.SHUTTING_DOWN, FailureKind.OVERLOADED,
                       FailureKind.CONFLICT, FailureKind.BAD_REQUEST, FailureKind.TOO_LARGE})
@@ -253,19 +257,27 @@ class EncoderDispatch:
         room = secrets.randbits(62)
         future = self.worker.submit(part_rid, f"{enc.host}:{enc.bootstrap_port}", room)
         receiving = asyncio.ensure_future(wait_for_future(future, lambda: None))
+        encoding = asyncio.ensure_future(self._post_encode(enc, part_rid, room, images))
         try:
-            encoded = await self._post_encode(enc, part_rid, room, images)
-            try:
-                transfer = await receiving
-            except TransferFailure as exc:
-                if exc.kind in OUR_SIDE:
-                    raise
-                raise _EncoderFault(f"encoder {enc.url}: {exc}") from None
+            # Whichever side fails first decides: a room this worker saw fail (encoder declared
+            # dead, init refused, room aborted) does not wait for that encoder's /encode to time
+            # out; the request is dropped (the encoder ends a room whose caller went away).
+            await asyncio.wait((receiving, encoding), return_when=asyncio.FIRST_COMPLETED)
+            failure = None if encoding.done() else receiving.exception()
+            if isinstance(failure, TransferFailure) and failure.kind in ABOUT_THE_IMAGES:
+                # the encoder refused the images and failed the room for it: its own answer, with
+                # its status and words for the client, is on its way
+                await asyncio.wait((encoding,), timeout=REFUSAL_GRACE_S)
+            if failure is not None and not encoding.done():
+                await self._received(enc, receiving)  # raises
+            encoded = await encoding
+            transfer = await self._received(enc, receiving)
             if transfer.get("sha256") != encoded.get("sha256"):  # end to end: what was sent is what landed
                 raise _EncoderFault(f"encoder {enc.url}: the embedding's digest differs between the two sides")
         except BaseException:
             self.worker.cancel(part_rid, "its encoder failed; sent to another one")
             receiving.cancel()
+            encoding.cancel()
             raise
         rows, positions = transfer.pop("embedding"), transfer.pop("mrope_positions")
         try:
@@ -276,6 +288,16 @@ class EncoderDispatch:
             self.fingerprints[enc.url] = str(encoded["preprocessing"])
         return Embedded(rows, grids, [], transfer | {"encode_ms": encoded.get("encode_ms", 0.0),
                                                  "preprocessing": self.fingerprints.get(enc.url)})
+
+    @staticmethod
+    async def _received(enc: Encoder, receiving: asyncio.Future) -> dict:
+        """The part's transfer; the encoder's failures as :class:`_EncoderFault`, ours as they are."""
+        try:
+            return await receiving
+        except TransferFailure as exc:
+            if exc.kind in OUR_SIDE:
+                raise
+            raise _EncoderFault(f"encoder {enc.url}: {exc}") from None
 
     async def _post_encode(self, enc: Encoder, part_rid: str, room: int, images: list[str]) -> dict:
         assert self._session is not None

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from connector.failures import FailureKind, TransferFailure
 from connector.http_util import (
+    BootstrapAllowList,
     HTTPError,
     add_sleep_routes,
     check_host,
@@ -48,11 +49,12 @@ class _Client:
     encoding: asyncio.Task | None = None  # its images at its encoders (--encoder-urls)
 
 
-def build_app(worker: LanguageWorker, service: GenerationService | None = None, dispatch: EncoderDispatch | None = None,
-              model_name: str = "", admin_api_key: str | None = None) -> web.Application:
-    """``dispatch``: the encoders of ``--encoder-urls`` (images named in a request); with a
-    ``service``, the OpenAI-compatible routes serve ``model_name`` too; ``admin_api_key``
-    guards sleep and wake."""
+def build_app(worker: LanguageWorker, allowed: BootstrapAllowList, service: GenerationService | None = None,
+              dispatch: EncoderDispatch | None = None, model_name: str = "",
+              admin_api_key: str | None = None) -> web.Application:
+    """``allowed``: the encoders a request may name by bootstrap address; ``dispatch``: the
+    encoders of ``--encoder-urls`` (images named in a request); with a ``service``, the
+    OpenAI-compatible routes serve ``model_name`` too; ``admin_api_key`` guards sleep and wake."""
     clients: dict[str, _Client] = {}
 
     async def transfer_only(request: web.Request) -> web.Response:
@@ -63,7 +65,9 @@ def build_app(worker: LanguageWorker, service: GenerationService | None = None, 
         if not 0 < port < 65536:
             raise HTTPError(400, "bootstrap_port must be in 1..65535")
         rid = body["rid"]
-        future = worker.submit(rid, f"{check_host(body['bootstrap_host'])}:{port}", room)
+        host = check_host(body["bootstrap_host"])
+        allowed.check(host, port)
+        future = worker.submit(rid, f"{host}:{port}", room)
         return web.json_response(await wait_for_future(future, lambda: worker.cancel(rid, "the client went away")))
 
     async def generate(request: web.Request) -> web.StreamResponse:
@@ -95,7 +99,11 @@ def build_app(worker: LanguageWorker, service: GenerationService | None = None, 
             gen, transfer = await _start(rid, client, text, body.images, params)
             return await _answer(request, gen, body.stream, transfer, arrived)
         images = text.count(IMAGE_PAD)
-        addr = f"{check_host(body.bootstrap_host)}:{body.bootstrap_port}" if body.has_peer else ""
+        addr = ""
+        if body.has_peer:
+            host = check_host(body.bootstrap_host)
+            allowed.check(host, body.bootstrap_port)
+            addr = f"{host}:{body.bootstrap_port}"
         if images and not body.has_peer:
             raise HTTPError(400, f"the prompt has {images} image placeholders but no bootstrap_room names the "
                                  f"encoder that holds their embedding")

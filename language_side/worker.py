@@ -45,6 +45,7 @@ from connector.config import ConnectorConfig
 from connector.failures import FailureKind, TransferFailure
 from connector.metrics import WorkerMetrics
 from connector.mooncake_transport import MooncakeTransport
+from connector.peer_health import health_status
 from connector.poll import KVPoll
 from connector.receiver import EmbeddingReceiver, EmbeddingReceiverManager
 from connector.sleep import SleepGate
@@ -196,8 +197,10 @@ class LanguageWorker:
 
     def health(self) -> dict:
         free, total = pool_blocks(self.allocator)
-        return {"status": "sleeping" if self.gate.is_sleeping() else "ok", "role": "language",
-                "state": self.gate.state.value, "free_blocks": free, "num_blocks": total, **self._queues()}
+        failing = self.receivers.failing.report()
+        return {"status": health_status(self.gate.is_sleeping(), failing), "role": "language",
+                "state": self.gate.state.value, "free_blocks": free, "num_blocks": total, **self._queues(),
+                "failing_encoders": failing}
 
     def _queues(self) -> dict[str, int]:
         with self._lock:

@@ -31,6 +31,11 @@ def free_port() -> int:
 SGLANG_READY = "The server is fired up and ready to roll!"  # what SGLang's server logs once it serves
 
 
+# Where tests and scripts run their encoders: a language worker may be sent to any of them by a
+# request's bootstrap_host (the two-request flow).
+LOOPBACK_ENCODERS = ["--allowed-bootstrap-hosts", "127.0.0.1"]
+
+
 class WorkerProcess:
     """One worker process; ``url`` is its HTTP address once ``READY`` was printed."""
 
@@ -40,7 +45,8 @@ class WorkerProcess:
         """``command`` is what starts a worker: ours by default, or SGLang's launchers. It gets free
         ports (HTTP, and bootstrap for an encode worker) unless ``port`` and ``bootstrap_port``
         name them (a restart). An encode worker reads images under the temp directory and from
-        loopback URLs (where tests and scripts put them) unless ``trusted_media`` is false. It is
+        loopback URLs (where tests and scripts put them), and a language worker takes requests
+        naming encoders on loopback, unless ``trusted_media`` is false. It is
         up once a log line starts with ``READY `` (ours), or holds ``ready`` (SGLang's own server:
         :data:`SGLANG_READY`)."""
         self.mode, self.port, self.ready_marker = mode, port or free_port(), ready
@@ -51,6 +57,8 @@ class WorkerProcess:
             args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
         if mode == "encode" and trusted_media:
             args += ["--allowed-local-media-path", tempfile.gettempdir(), "--allow-private-media-urls"]
+        if mode == "language" and trusted_media:
+            args += LOOPBACK_ENCODERS
         # A file, not a pipe: nobody has to keep reading it for the worker to keep running.
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix=f"{mode}-worker-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log_file, stderr=subprocess.STDOUT, text=True,
@@ -135,6 +143,8 @@ class InProcessWorker:
             self.bootstrap_port = bootstrap_port or free_port()
             args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port),
                      "--allowed-local-media-path", tempfile.gettempdir(), "--allow-private-media-urls"]
+        else:
+            args += LOOPBACK_ENCODERS
         self.built = build(parse(args))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"in-process-{mode}-worker", daemon=True)

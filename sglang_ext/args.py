@@ -116,6 +116,10 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                    help=f"language side: an aborted room of an encoder built from the reference fork (which cannot be "
                         f"told to stop) keeps its blocks until that encoder reports the round it owes, or this long, "
                         f"env {ENV_NAMES['fork_abort_hold']} (default %(default)s)")
+    g.add_argument("--allowed-bootstrap-hosts", nargs="+", default=[], metavar="HOST[:PORT]",
+                   help="language side: the encoders a /generate may name by bootstrap_host/bootstrap_port (the "
+                        "two-request flow), beside the hosts of --encoder-urls; any other gets 403 before it is "
+                        "contacted (default: only the hosts of --encoder-urls)")
     g.add_argument("--control-secret", default=d.control_secret, metavar="SECRET",
                    help=f"shared secret both workers require on control messages and bootstrap routes (at least "
                         f"16 characters; peers built from the reference fork cannot use it). Prefer the env "

@@ -62,10 +62,15 @@ def build(args: argparse.Namespace) -> Built:
                  f"zmq=tcp://{config.host}:{worker.sender.rank_port} encoder={encoder.name}")
         return Built(worker, build_app(worker, args.admin_api_key), config, extra)
 
+    from connector.http_util import BootstrapAllowList
     from language_side.consumers import EmbeddingCopy
     from language_side.http_api import build_app
     from language_side.worker import LanguageWorker
 
+    try:
+        allowed = BootstrapAllowList(args.allowed_bootstrap_hosts, args.encoder_urls or [])
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     service = _generation_service(args, config)
     worker = LanguageWorker(config, checkpoint_dir=args.checkpoint_dir, queue_while_sleeping=args.queue_while_sleeping,
                             consumer=EmbeddingCopy() if service else None, generations=service)
@@ -90,8 +95,8 @@ def build(args: argparse.Namespace) -> Built:
             worker.close()
             raise SystemExit(f"error: {exc}") from None
         extra += f" encoders={','.join(args.encoder_urls)}"
-    return Built(worker, build_app(worker, service, dispatch, args.model_path or "", args.admin_api_key), config,
-                 extra)
+    return Built(worker, build_app(worker, allowed, service, dispatch, args.model_path or "", args.admin_api_key),
+                 config, extra)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -114,7 +114,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 MODULE_SECONDS = {"test_sleep_generation": 520, "test_benchmarks_smoke": 290, "test_sleep_workers": 240,
                   "test_openai_api": 180, "test_sglang_plugin": 80, "test_backpressure": 120,
                   "test_faults_under_load": 110, "test_workers": 100, "test_language_model": 70,
-                  "test_sglang_language": 190}
+                  "test_sglang_language": 190, "test_no_silent_hang": 75}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -289,6 +289,7 @@ class RawLanguage:
         self.port = self.pull.bind_to_random_port("tcp://127.0.0.1")
         self.push = ctx.socket(zmq.PUSH)
         self.session = session
+        self.generation = 1  # of the pool it registers, and says in its pongs
         self.pings = 0
 
     def connect(self, rank_port: int) -> None:
@@ -299,7 +300,7 @@ class RawLanguage:
 
     def register(self, pool: BufferPool, fork: bool = False) -> None:
         """Register ``pool`` under ``session``: with our extension frames, or as a fork peer does."""
-        extra = () if fork else (1, pool.num_blocks, pool.item_lens)
+        extra = () if fork else (self.generation, pool.num_blocks, pool.item_lens)
         self.send(RegisterMsg("127.0.0.1", self.port, self.session, pool.base_ptrs, *extra))
 
     def recv(self, timeout: float = 30.0) -> LanguageBound | None:
@@ -310,7 +311,7 @@ class RawLanguage:
             if not isinstance(msg, PingMsg):
                 return msg
             self.pings += 1
-            self.push.send_multipart(PongMsg(self.session, msg.seq).encode())
+            self.push.send_multipart(PongMsg(self.session, msg.seq, self.generation).encode())
         return None
 
     def answer_ping(self, timeout: float = 10.0) -> None:
@@ -319,7 +320,7 @@ class RawLanguage:
         msg = decode_language_bound(self.pull.recv_multipart())
         assert isinstance(msg, PingMsg), msg
         self.pings += 1
-        self.push.send_multipart(PongMsg(self.session, msg.seq).encode())
+        self.push.send_multipart(PongMsg(self.session, msg.seq, self.generation).encode())
 
     def expect(self, timeout: float = 30.0, room: int | None = None) -> LanguageBound:
         """The next message (for ``room``, when given: others are skipped)."""

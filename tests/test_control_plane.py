@@ -14,7 +14,7 @@ from test_transfer import transfer
 
 from connector.auth import MAC_TAG, AuthError, sign, verify
 from connector.bootstrap import RankRoute, fetch_route
-from connector.messages import AbortMsg, InitMsg, RegisterMsg, ResumeMsg, StatusMsg
+from connector.messages import AbortMsg, InitMsg, RegisterMsg, ResumeMsg, StatusMsg, SuspendMsg
 from connector.poll import KVPoll
 from connector.receiver import receive_embedding
 from connector.rejections import Rejections
@@ -51,6 +51,28 @@ def test_a_register_that_names_a_live_endpoint_is_dropped_and_its_owner_keeps_wo
                          m.pool.item_lens))
     wait_for(lambda: rejected(peer).get("register_takeover") == 1, 10, "the impostor's session to be dropped")
     transfer(lang, peer, 2, 10_000)  # one resume round, from the real session
+
+
+def test_a_register_naming_a_live_session_from_elsewhere_or_with_a_forged_pool_is_dropped(make_peer, make_language,
+                                                                                           raw_language) -> None:
+    """Issue 26 (1): a register whose session id is a live worker's Mooncake address, from a new
+    endpoint, generation 2**63-1. Before: the encoder took it, refused the real worker's
+    registers as older and every init of it as ``not_owner``. Now the session's endpoint settles
+    it: the worker answers the ping there, with its own generation."""
+    peer, lang = make_peer(), make_language()
+    transfer(lang, peer, 1, 5000)
+    m, raw = lang.manager, raw_language
+    raw.connect(peer.info["rank_port"])
+    session, top = m.transport.session_id, 2**63 - 1
+    raw.send(RegisterMsg("127.0.0.1", raw.port, session, m.pool.base_ptrs, top, m.pool.num_blocks, m.pool.item_lens))
+    wait_for(lambda: rejected(peer).get("register_takeover") == 1, 10, "the move to be refused")
+    transfer(lang, peer, 2, 10_000)  # one resume round: the real session is served
+    # The same, naming the victim's own endpoint and another pool: its writes would land elsewhere.
+    forged_pool = tuple(p + (1 << 30) for p in m.pool.base_ptrs)
+    raw.send(RegisterMsg(m.config.host, m.rank_port, session, forged_pool, top, m.pool.num_blocks, m.pool.item_lens))
+    wait_for(lambda: rejected(peer).get("register_takeover") == 2, 10, "the forged pool to be refused")
+    transfer(lang, peer, 3, 10_000)
+    assert raw.recv(0.5) is None  # the impostor's endpoint was never pinged or written
 
 
 def test_a_new_session_answering_from_the_same_endpoint_ends_the_old_sessions_rooms(make_peer, raw_language,
@@ -92,6 +114,28 @@ def test_an_abort_or_resume_from_a_stranger_changes_nothing(make_peer, make_lang
     resume_and_match(receiver, expected)
 
 
+@pytest.mark.parametrize("forged", [AbortMsg, SuspendMsg])
+def test_an_abort_or_suspend_forged_with_the_owners_endpoint_fails_the_owners_room_at_once(
+        make_peer, make_language, raw_language, forged) -> None:
+    """Issue 26 (3): without the secret nothing proves who sent an ABORT or a SUSPEND; one naming
+    the owner's endpoint ends (or holds) the room at the encoder. Before, the owner learnt nothing
+    and waited for its 300 s waiting timeout; now the encoder's ack of a message it never sent
+    fails the room there at once (a suspended room is aborted, so it ends at the encoder too)."""
+    peer, lang = make_peer(), make_language()
+    peer.call("stage", room=1, tokens=20_000, seed=1)
+    receiver = start_room(lang, peer, 1, 64)  # partial: waits for a resume
+    wait_for(lambda: receiver.poll() == KVPoll.Transferring, 30, "the first round")
+    m, raw = lang.manager, raw_language
+    raw.connect(peer.info["rank_port"])
+    raw.send(forged(1, m.config.host, m.rank_port, 12345))
+    took = wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the owner's room to fail")
+    assert took < 5 and "did not send" in receiver.state.reason
+    assert m.stats["foreign_abort" if forged is AbortMsg else "foreign_suspend"] == 1
+    wait_for(lang.allocator.all_free, 5, "the room's blocks to come back")
+    wait_for(lambda: peer.call("status", room=1)["status"] == "Failed", 5, "the room to end at the encoder")
+    transfer(lang, peer, 2, 10_000)  # the worker goes on
+
+
 def test_route_registration_over_http_is_refused_without_a_secret(make_peer) -> None:
     peer = make_peer()
     body = {"role": "Encode", "tp_size": 1, "dp_size": 1, "rank_ip": "10.9.9.9", "rank_port": 1, "engine_rank": 0}
@@ -105,9 +149,10 @@ def test_with_a_shared_secret_only_messages_and_lookups_that_prove_it_act(make_p
     (transport, pool), raw = raw_pool, raw_language
     peer, lang = make_peer(control_secret=SECRET), make_language(control_secret=SECRET)
     transfer(lang, peer, 1, 10_000)  # signed both ways, with a resume round
-    with pytest.raises(ConnectionError, match="401"):  # a language side without it cannot look the route up
-        fetch_route(peer.bootstrap_addr, 2)
+    with pytest.raises(ConnectionError, match="gave no valid route"):  # a language side without it cannot look
+        fetch_route(peer.bootstrap_addr, 2)                               # the route up
     url = f"http://{peer.bootstrap_addr}/route"
+    assert requests.get(url, params={"engine_rank": -1, "target_dp_group": -1}, timeout=5).status_code == 401
     body = {"role": "Encode", "tp_size": 1, "dp_size": 1, "rank_ip": "127.0.0.1", "rank_port": 1, "engine_rank": 0}
     assert requests.put(url, json=body, timeout=5).status_code == 401
     assert requests.put(url, json=body, timeout=5, headers={"Authorization": "Bearer wrong"}).status_code == 401

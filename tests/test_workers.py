@@ -189,6 +189,62 @@ def test_bad_generate_requests_get_4xx_or_name_the_unreachable_peer(pair) -> Non
     assert resp.status_code == 502 and f"127.0.0.1:{dead_port} unreachable" in resp.json()["error"]
 
 
+class _Banner(BaseHTTPRequestHandler):
+    """A web server that is not an encoder: it says who it is in every answer."""
+
+    hits: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.hits.append(self.path)
+        self.send_response(404)
+        self.send_header("Server", "internal-admin/1.0")
+        self.end_headers()
+        self.wfile.write(b"internal admin console")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_language_worker_contacts_no_host_a_client_names_and_reflects_nothing(pair) -> None:
+    """Issue 26 (4). Before, /generate with bootstrap_host/bootstrap_port made the worker GET
+    http://HOST:PORT/route for any host and put the remote status (or the connection error) in
+    its 502: an SSRF and port-scan oracle. Now only allowed encoders are contacted (loopback here,
+    ``--allowed-bootstrap-hosts 127.0.0.1``), and a failed lookup reads the same whatever answered."""
+    url = f"{pair.language.url}/generate"
+
+    def generate(rid: str, host: str, port: int) -> requests.Response:
+        return requests.post(url, json={"rid": rid, "bootstrap_host": host, "bootstrap_port": port,
+                                        "bootstrap_room": 5}, timeout=30)
+
+    servers = {host: ThreadingHTTPServer((host, 0), _Banner) for host in ("127.0.0.1", "127.0.0.2")}
+    for server in servers.values():
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        elsewhere = servers["127.0.0.2"].server_address[1]
+        for host, port in (("127.0.0.2", elsewhere), ("10.255.255.1", 80), ("localhost", pair.encode.bootstrap_port)):
+            start = time.monotonic()
+            resp = generate("s1", host, port)
+            assert resp.status_code == 403 and "not an encoder this worker may contact" in resp.json()["error"]
+            assert time.monotonic() - start < 2
+        time.sleep(0.5)
+        assert _Banner.hits == []  # nothing was fetched from the host a client named
+        banner_port = servers["127.0.0.1"].server_address[1]
+        resp = generate("s2", "127.0.0.1", banner_port)
+        assert resp.status_code == 502 and len(_Banner.hits) >= 1  # allowed: looked up, and it is no encoder
+        error = resp.json()["error"]
+        assert "404" not in error and "admin" not in error and "Not Found" not in error, error
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            closed_port = s.getsockname()[1]
+        closed = generate("s3", "127.0.0.1", closed_port).json()["error"]
+        # an open port that is not an encoder and a closed one read the same
+        assert error.replace("s2", "RID").replace(str(banner_port), "PORT") == \
+            closed.replace("s3", "RID").replace(str(closed_port), "PORT")
+    finally:
+        for server in servers.values():
+            server.shutdown()
+
+
 @pytest.mark.serial
 def test_hostile_media_and_json_get_400_at_once_and_the_worker_serves_on(tmp_path: Path) -> None:
     media = tmp_path / "media"

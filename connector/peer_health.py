@@ -1,0 +1,65 @@
+"""Rooms failed in a row, per peer: what ``/health`` reports when a peer's process answers its
+heartbeats but its rooms keep failing (inits refused, rooms aborted, writes that do not land).
+
+A worker counts only failures that say something about the peer (``ABOUT_THE_PEER``); a room
+that ends well clears its peer's count. A peer with ``threshold`` failures in a row is listed,
+and the worker's status reads ``degraded`` while any is.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+from connector.failures import FailureKind
+
+# Failures that tell something about the peer, not about the request or this worker's own state.
+ABOUT_THE_PEER = frozenset({FailureKind.ABORTED, FailureKind.PEER_DEAD, FailureKind.PEER_UNREACHABLE,
+                            FailureKind.PEER_FAILED, FailureKind.MISMATCH, FailureKind.PROTOCOL,
+                            FailureKind.TRANSFER, FailureKind.TIMEOUT})
+FAILING_AFTER = 3  # rooms failed in a row before a peer is reported
+MAX_PEERS = 1024  # peers tracked at once; the one that failed least recently is forgotten first
+
+
+@dataclass
+class _Streak:
+    failed: int = 0
+    last_error: str = ""
+    since: float = 0.0  # wall clock of the streak's first failure
+
+
+class FailingPeers:
+    """Thread-safe: the connector records under its own lock, ``/health`` reads from its thread."""
+
+    def __init__(self, threshold: int = FAILING_AFTER) -> None:
+        self.threshold = threshold
+        self._lock = threading.Lock()
+        self._streaks: collections.OrderedDict[str, _Streak] = collections.OrderedDict()
+
+    def failed(self, peer: str, kind: FailureKind | None, reason: str) -> None:
+        if kind not in ABOUT_THE_PEER:
+            return
+        with self._lock:
+            streak = self._streaks.pop(peer, None) or _Streak(since=time.time())
+            streak.failed += 1
+            streak.last_error = reason[:300]
+            self._streaks[peer] = streak
+            while len(self._streaks) > MAX_PEERS:
+                self._streaks.popitem(last=False)
+
+    def succeeded(self, peer: str) -> None:
+        with self._lock:
+            self._streaks.pop(peer, None)
+
+    def report(self) -> list[dict]:
+        """``[{"peer", "rooms_failed_in_a_row", "since", "last_error"}]`` of the peers over the threshold."""
+        with self._lock:
+            return [{"peer": peer, "rooms_failed_in_a_row": s.failed, "since": round(s.since, 3),
+                     "last_error": s.last_error} for peer, s in self._streaks.items() if s.failed >= self.threshold]
+
+
+def health_status(sleeping: bool, failing: list[dict]) -> str:
+    """A worker's ``/health`` status: ``sleeping``, ``degraded`` (a peer's rooms keep failing) or ``ok``."""
+    return "sleeping" if sleeping else "degraded" if failing else "ok"
