@@ -57,6 +57,7 @@ from connector.messages import (
 from connector.peer_health import FailingPeers
 from connector.poll import KVPoll, RoomState
 from connector.rejections import Rejections
+from connector.transitions import checked_move
 from connector.transport import Transport
 from connector.zmq_link import PullLoop, PushSockets
 
@@ -78,7 +79,7 @@ class ReceiverPhase(enum.Enum):
 
 R = ReceiverPhase
 TRANSITIONS: dict[ReceiverPhase, frozenset[ReceiverPhase]] = {
-    R.CREATED: frozenset({R.WAITING, R.CLOSED}),
+    R.CREATED: frozenset({R.WAITING, R.RESTORED, R.CLOSED}),  # RESTORED: made from a checkpoint (restore)
     R.WAITING: frozenset({R.EARLY, R.PARTIAL, R.LANDED, R.SUSPENDING, R.ABORTING, R.CLOSED}),
     R.EARLY: frozenset({R.WAITING, R.PARTIAL, R.SUSPENDING, R.ABORTING, R.CLOSED}),
     R.PARTIAL: frozenset({R.WAITING, R.SUSPENDING, R.ABORTING, R.CLOSED}),
@@ -143,9 +144,7 @@ class EmbeddingReceiver:
         self.peer_name = f"encode peer {bootstrap_addr} (rank {route.rank_ip}:{route.rank_port})"
 
     def _move(self, phase: ReceiverPhase) -> None:
-        if phase not in TRANSITIONS[self.phase]:
-            raise AssertionError(f"room {self.room}: no transition {self.phase.name} -> {phase.name}")
-        self.phase = phase
+        self.phase = checked_move(TRANSITIONS, self.phase, phase, f"room {self.room}")
 
     # ---- BaseKVReceiver-like API ----------------------------------------------------------
 
@@ -216,6 +215,7 @@ class EmbeddingReceiver:
 
     def assemble(self) -> Embedding:
         """After ``Success``: the whole embedding, contiguous and in token order, assembled once.
+        :class:`TransferFailure` when the room failed since (a cancel between the poll and here).
 
         When the received blocks are one run of consecutive ids (the usual case), the result
         is a zero-copy view into the pool and those blocks return on ``Embedding.release()``;
@@ -223,6 +223,8 @@ class EmbeddingReceiver:
         """
         with self._m._lock:
             if self.phase != R.LANDED:
+                if self.state.status == KVPoll.Failed:  # cancelled or failed after its Success was read
+                    raise self.state.failure(self.room)
                 raise RuntimeError(f"room {self.room}: cannot assemble in phase {self.phase.name}")
             assert self.total_tokens is not None and self._aux is not None
             m, bs = self._m, self._m.config.block_size
@@ -591,7 +593,7 @@ class EmbeddingReceiverManager:
             r = EmbeddingReceiver(self, ckpt.bootstrap_addr, ckpt.room, ckpt.route)
             r.total_tokens, r._aux, r.resume_rounds = ckpt.total_tokens, ckpt.aux, ckpt.resume_rounds
             r._out, r._spilled, r._round_end = ckpt.data, ckpt.landed, ckpt.landed
-            r.phase = R.RESTORED
+            r._move(R.RESTORED)
             self._rooms[ckpt.room] = r
             return r
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from connector.buffers import Embedding
 from connector.messages import AbortMsg, SuspendMsg
 from connector.poll import RoomState
+from connector.transitions import checked_move
 
 
 class SenderPhase(enum.Enum):
@@ -95,9 +96,7 @@ class SenderRoom:
     delivered: Future = field(default_factory=Future)  # None once every destination has it all
 
     def move(self, phase: SenderPhase) -> None:
-        if phase not in TRANSITIONS[self.phase]:
-            raise AssertionError(f"room {self.room}: no transition {self.phase.name} -> {phase.name}")
-        self.phase = phase
+        self.phase = checked_move(TRANSITIONS, self.phase, phase, f"room {self.room}")
         if phase == P.SUSPENDED:
             self.suspended_at = self.clock()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from connector.http_util import add_sleep_routes, check_room, errors_as_json, read_json
 from embedding_side.worker import EncodeWorker
+from worker_infra.http import add_sleep_routes, check_room, errors_as_json, read_json
 
 
 def build_app(worker: EncodeWorker, admin_api_key: str | None = None) -> web.Application:

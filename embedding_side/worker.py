@@ -52,17 +52,17 @@ from connector.buffers import AUX_INTS, DTYPE_SIZES, BufferPool, Embedding
 from connector.checkpoint import CheckpointError
 from connector.config import ConnectorConfig
 from connector.failures import FailureKind, TransferFailure
-from connector.http_util import wait_for_future
-from connector.metrics import WorkerMetrics
 from connector.mooncake_transport import MooncakeTransport
 from connector.peer_health import health_status
 from connector.sender import EmbeddingSender, EmbeddingSenderManager, SenderRoomCheckpoint
-from connector.sleep import SleepGate, WorkerState
 from connector.staging import ByteBudget
 from embedding_side import checkpoint
 from embedding_side.encoders import VisionEncoder, decode_bytes, tokens_for
 from embedding_side.images import ImageInputError, MediaPolicy, decode_image, is_remote, open_image
 from embedding_side.positions import image_positions
+from worker_infra.http import wait_for_future
+from worker_infra.metrics import WorkerMetrics
+from worker_infra.sleep import SleepGate, WorkerState
 
 log = logging.getLogger(__name__)
 

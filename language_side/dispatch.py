@@ -32,10 +32,10 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from connector.failures import FailureKind, TransferFailure
-from connector.http_util import wait_for_future
 from language_side.embedding_cache import EmbeddingCache, cache_key, image_digest, split_rows
 from language_side.prompt import PromptError, grids_from_positions
 from language_side.worker import LanguageWorker
+from worker_infra.http import wait_for_future
 
 log = logging.getLogger(__name__)
 

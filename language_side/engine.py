@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from connector.transitions import checked_move
 from language_side.prompt import Prompt
 
 if TYPE_CHECKING:  # the model's module imports transformers: a transfer-only worker never does
@@ -107,9 +108,7 @@ class GenRequest:
         return len(self.prompt.input_ids) + self.params.max_new_tokens
 
     def move(self, phase: Phase) -> None:
-        if phase not in TRANSITIONS[self.phase]:
-            raise AssertionError(f"{self.rid}: no transition {self.phase.name} -> {phase.name}")
-        self.phase = phase
+        self.phase = checked_move(TRANSITIONS, self.phase, phase, self.rid)
 
 
 @dataclass(frozen=True)

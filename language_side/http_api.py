@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from connector.failures import FailureKind, TransferFailure
-from connector.http_util import (
+from language_side.dispatch import EncoderDispatch, ImageRefused
+from language_side.engine import SamplingParams
+from language_side.openai_api import add_openai_routes, openai_errors
+from language_side.prompt import PromptError, build_prompt, grids_from_positions, render_chat
+from language_side.schemas import BodyError, GenerateIn, parse
+from language_side.serving import Event, Generation, GenerationService, TextStream
+from language_side.worker import LanguageWorker
+from worker_infra.http import (
     BootstrapAllowList,
     HTTPError,
     add_sleep_routes,
@@ -29,13 +36,6 @@ from connector.http_util import (
     read_json,
     wait_for_future,
 )
-from language_side.dispatch import EncoderDispatch, ImageRefused
-from language_side.engine import SamplingParams
-from language_side.openai_api import add_openai_routes, openai_errors
-from language_side.prompt import PromptError, build_prompt, grids_from_positions, render_chat
-from language_side.schemas import BodyError, GenerateIn, parse
-from language_side.serving import Event, Generation, GenerationService, TextStream
-from language_side.worker import LanguageWorker
 
 IMAGE_PAD = "<|image_pad|>"
 MAX_BODY_BYTES = 96 << 20  # data: URIs of large images (each image's own bound is in the schemas)

@@ -22,7 +22,6 @@ from aiohttp import web
 from pydantic import Field, model_validator
 
 from connector.failures import TransferFailure
-from connector.http_util import HTTPError
 from language_side.engine import SamplingParams
 from language_side.prompt import IMAGE_PLACEHOLDER, render_chat
 from language_side.schemas import (
@@ -35,6 +34,7 @@ from language_side.schemas import (
     parse,
 )
 from language_side.serving import Event, Generation, GenerationService, TextStream
+from worker_infra.http import HTTPError
 
 MAX_PARTS = 256  # per message
 # (rid, prompt text, image sources in order, sampling) -> the generation and its transfer's fields

@@ -43,16 +43,17 @@ from connector.bootstrap import RankRoute
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
 from connector.failures import FailureKind, TransferFailure
-from connector.metrics import WorkerMetrics
 from connector.mooncake_transport import MooncakeTransport
 from connector.peer_health import health_status
 from connector.poll import KVPoll
 from connector.receiver import EmbeddingReceiver, EmbeddingReceiverManager
-from connector.sleep import SleepGate
+from connector.transitions import checked_move
 from language_side import checkpoint
 from language_side.checkpoint import SavedRequest
 from language_side.consumers import Consumer, DigestConsumer
 from language_side.engine import GenRequest
+from worker_infra.metrics import WorkerMetrics
+from worker_infra.sleep import SleepGate
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,7 @@ class _Request:
     restored_from_disk: bool = False  # no client yet: the next /generate with this rid attaches
 
     def move(self, phase: RequestPhase) -> None:
-        if phase not in TRANSITIONS[self.phase]:
-            raise AssertionError(f"request {self.rid}: no transition {self.phase.name} -> {phase.name}")
-        self.phase = phase
+        self.phase = checked_move(TRANSITIONS, self.phase, phase, f"request {self.rid}")
 
 
 class LanguageWorker:
@@ -294,7 +293,7 @@ class LanguageWorker:
             receiver = req.receiver
             status = receiver.poll()
             if status == KVPoll.Success:  # landed before the suspend took effect: finish it now
-                self._finish(req, receiver.assemble())
+                self._finish_or_fail(req, receiver)
             elif status == KVPoll.Failed:
                 self._fail(req, receiver.state.kind, receiver.state.reason)
             else:
@@ -520,12 +519,22 @@ class LanguageWorker:
             if status in (KVPoll.Transferring, KVPoll.WaitingForInput, KVPoll.Bootstrapping):
                 progressed += receiver.try_resume()  # after a round, early (total announced), or restored
             elif status == KVPoll.Success:
-                self._finish(req, receiver.assemble())
+                self._finish_or_fail(req, receiver)
                 progressed += 1
             elif status == KVPoll.Failed:
                 self._fail(req, receiver.state.kind, receiver.state.reason)
                 progressed += 1
         return progressed
+
+    def _finish_or_fail(self, req: _Request, receiver: EmbeddingReceiver) -> None:
+        """A room that read ``Success``: assemble and finish it, or fail it when it was cancelled
+        (or failed) since the poll, which gave its blocks back."""
+        try:
+            emb = receiver.assemble()
+        except TransferFailure as exc:
+            self._fail(req, exc.kind, str(exc))
+            return
+        self._finish(req, emb)
 
     def _finish(self, req: _Request, emb: Embedding) -> None:
         seconds = time.monotonic() - req.init_at

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request  # SGLang's server is FastAPI; this module runs only where it is installed
 
 from connector.failures import FailureKind, TransferFailure
-from connector.http_util import HTTPError, asleep_error, error_body, error_reply, sleep_params
+from worker_infra.http import HTTPError, asleep_error, error_body, error_reply, sleep_params
 
 if TYPE_CHECKING:
     from language_side.worker import LanguageWorker
@@ -231,7 +231,7 @@ def _start_receiver(ours: argparse.Namespace, manager):
 
 def _add_routes(manager, worker, dispatch) -> None:
     """Our sleep routes and the connector's state on SGLang's FastAPI app, with the same
-    parameters and errors as our own workers' (``connector.http_util``).
+    parameters and errors as our own workers' (``worker_infra.http``).
 
     ``/sleep?level=1|2&preserve_state=...`` is SGLang's ``pause_generation``, which the hook above
     extends to the connector: level 1 pauses ``in_place`` (running requests keep their KV and go on

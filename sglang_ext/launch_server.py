@@ -62,10 +62,10 @@ def build(args: argparse.Namespace) -> Built:
                  f"zmq=tcp://{config.host}:{worker.sender.rank_port} encoder={encoder.name}")
         return Built(worker, build_app(worker, args.admin_api_key), config, extra)
 
-    from connector.http_util import BootstrapAllowList
     from language_side.consumers import EmbeddingCopy
     from language_side.http_api import build_app
     from language_side.worker import LanguageWorker
+    from worker_infra.http import BootstrapAllowList
 
     try:
         allowed = BootstrapAllowList(args.allowed_bootstrap_hosts, args.encoder_urls or [])
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # `kill -USR1 <pid>` writes every thread's stack to the log: where a stuck worker stands.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    from connector.http_util import serve
+    from worker_infra.http import serve
 
     built = build(args)
     worker, config = built.worker, built.config

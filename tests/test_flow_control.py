@@ -21,11 +21,11 @@ from connector.failures import FailureKind, TransferFailure
 from connector.messages import InitMsg, StatusMsg
 from connector.poll import KVPoll
 from connector.sender import EmbeddingSenderManager
-from connector.sleep import WorkerState
 from connector.staging import ByteBudget
 from embedding_side.encoders import FakeEncoder, decode_bytes
 from embedding_side.images import MediaPolicy, open_image
 from embedding_side.worker import EncodeWorker
+from worker_infra.sleep import WorkerState
 
 pytestmark = pytest.mark.fast
 

@@ -226,7 +226,6 @@ def test_the_plugin_costs_nothing_in_other_sglang_processes() -> None:
     assert not re.search(r"'(connector|embedding_side|language_side|torch|transformers|sglang_ext\.args)\b", new_modules)
 
 
-@pytest.mark.serial
 @pytest.mark.parametrize("command", [SGLANG_LAUNCH, SGLANG_SERVE], ids=["launch_server", "sglang_serve"])
 def test_4k_image_through_workers_started_by_sglang(command, checkpoint, images) -> None:  # noqa: F811
     encode = WorkerProcess("encode", "--model-path", checkpoint, command=command)

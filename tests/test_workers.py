@@ -26,6 +26,8 @@ from workers import InProcessWorker, WorkerProcess
 
 from connector.bootstrap import fetch_route
 from connector.messages import InitMsg
+from connector.poll import KVPoll
+from connector.receiver import EmbeddingReceiver
 from embedding_side.encoders import QwenVisionEncoder
 from embedding_side.images import MediaPolicy, load_image
 
@@ -122,6 +124,38 @@ def in_process_sha(encoder: QwenVisionEncoder, paths: list[str]) -> str:
     import hashlib
 
     return hashlib.sha256(encoder.encode([load_image(p, TRUSTED_MEDIA) for p in paths]).embeddings.tobytes()).hexdigest()
+
+
+@pytest.mark.fast
+def test_a_cancel_between_success_and_assembly_fails_that_request_and_nothing_else(images, monkeypatch,
+                                                                                  caplog) -> None:
+    """Issue 27: a cancel that came after the scheduler read ``Success`` and before it assembled
+    the embedding raised in the step ("cannot assemble in phase CLOSED"): a traceback, the rest
+    of that step dropped. Forced here by cancelling as the scheduler calls assemble()."""
+    encode, lang = InProcessWorker("encode", "--encoder", "fake"), InProcessWorker("language")
+    worker, cancelled = lang.built.worker, []
+    real_assemble = EmbeddingReceiver.assemble
+
+    def assemble(receiver: EmbeddingReceiver):  # noqa: ANN202
+        if receiver.room == 1 and not cancelled:
+            assert receiver.poll() == KVPoll.Success
+            cancelled.append(worker.cancel("victim", "aborted between its Success and its assembly"))
+        return real_assemble(receiver)
+
+    monkeypatch.setattr(EmbeddingReceiver, "assemble", assemble)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            victim, other = (pool.submit(run_request, encode.url, lang.url, encode.bootstrap_port, rid, room,
+                                         [images["small"]], 60) for rid, room in (("victim", 1), ("other", 2)))
+            victim, other = victim.result(), other.result()
+        assert cancelled == [True]
+        assert victim["language_status"] == 499 and "between its Success" in victim["language_error"], victim
+        assert other["match"], other
+        assert not [r for r in caplog.records if "scheduler step failed" in r.getMessage()]
+        assert worker.allocator.all_free()
+    finally:
+        lang.stop()
+        encode.stop()
 
 
 def test_4k_image_takes_a_resume_round_and_matches_in_process_encoding(pair, images, in_process_encoder) -> None:

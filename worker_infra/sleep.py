@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from connector.failures import FailureKind, TransferFailure
-from connector.http_util import asleep_error
+from worker_infra.http import asleep_error
 
 log = logging.getLogger(__name__)
 
