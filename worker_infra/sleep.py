@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from connector.failures import FailureKind, TransferFailure
 from worker_infra.http import asleep_error
@@ -66,37 +66,30 @@ class SleepGate:
         """The worker shuts down: refuse everything from now on (final, even for a sleep under way)."""
         self._set(WorkerState.STOPPING)
 
-    @contextmanager
-    def falling_asleep(self) -> Iterator[bool]:
+    def falling_asleep(self) -> AbstractContextManager[bool]:
         """Yields False (and does nothing) unless awake; the worker is asleep once the block ends."""
-        with self._serial:
-            if self.state != WorkerState.AWAKE:
-                log.warning("%s worker: sleep requested while %s; ignored", self.role, self.state.value)
-                yield False
-                return
-            self._set(WorkerState.FALLING_ASLEEP)
-            try:
-                yield True
-            except BaseException:
-                self._set(WorkerState.AWAKE)
-                raise
-            self._set(WorkerState.ASLEEP)
+        return self._moving(WorkerState.AWAKE, WorkerState.FALLING_ASLEEP, WorkerState.ASLEEP, "sleep")
+
+    def waking(self) -> AbstractContextManager[bool]:
+        """Yields False (and does nothing) unless asleep; on error the worker stays asleep."""
+        return self._moving(WorkerState.ASLEEP, WorkerState.WAKING, WorkerState.AWAKE, "wake-up")
 
     @contextmanager
-    def waking(self) -> Iterator[bool]:
-        """Yields False (and does nothing) unless asleep; on error the worker stays asleep."""
+    def _moving(self, start: WorkerState, during: WorkerState, end: WorkerState, what: str) -> Iterator[bool]:
+        """``during`` for the block, then ``end``; back to ``start`` if it raises. Yields False
+        (and changes nothing) unless the worker is in ``start``."""
         with self._serial:
-            if self.state != WorkerState.ASLEEP:
-                log.warning("%s worker: wake-up requested while %s; ignored", self.role, self.state.value)
+            if self.state != start:
+                log.warning("%s worker: %s requested while %s; ignored", self.role, what, self.state.value)
                 yield False
                 return
-            self._set(WorkerState.WAKING)
+            self._set(during)
             try:
                 yield True
             except BaseException:
-                self._set(WorkerState.ASLEEP)
+                self._set(start)
                 raise
-            self._set(WorkerState.AWAKE)
+            self._set(end)
 
     def start_asleep(self) -> None:
         """A worker that boots with a checkpoint on disk waits for its wake-up."""
