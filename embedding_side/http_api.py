@@ -5,16 +5,24 @@ from __future__ import annotations
 from aiohttp import web
 
 from embedding_side.worker import EncodeWorker
-from worker_infra.http import add_sleep_routes, check_room, errors_as_json, read_json
+from worker_infra.http import StrictBody, add_sleep_routes, check_room, errors_as_json, read_body
+
+
+class EncodeIn(StrictBody):
+    """``POST /encode``; the worker checks the images themselves (and fails the room if they are bad)."""
+
+    rid: str
+    bootstrap_room: int
+    images: list
+    wait_for_delivery: bool = True
+    text: str | None = None  # the prompt, sent along by some routers; not used here
 
 
 def build_app(worker: EncodeWorker, admin_api_key: str | None = None) -> web.Application:
     async def encode(request: web.Request) -> web.Response:
-        body = await read_json(request, {"rid": str, "bootstrap_room": int, "images": list},
-                               optional={"wait_for_delivery": bool, "text": str})
-        room = check_room(body["bootstrap_room"])  # the worker checks the rest (and fails the room if bad)
-        return web.json_response(await worker.encode(body["rid"], room, body["images"],
-                                                     body.get("wait_for_delivery", True)))
+        body = await read_body(request, EncodeIn)
+        room = check_room(body.bootstrap_room)
+        return web.json_response(await worker.encode(body.rid, room, body.images, body.wait_for_delivery))
 
     async def health(_request: web.Request) -> web.Response:
         return web.json_response(worker.health())

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 from aiohttp import web
+from pydantic import ConfigDict
 
 from connector.failures import FailureKind, TransferFailure
 from language_side.dispatch import EncoderDispatch, ImageRefused
@@ -29,11 +30,12 @@ from language_side.worker import LanguageWorker
 from worker_infra.http import (
     BootstrapAllowList,
     HTTPError,
+    StrictBody,
     add_sleep_routes,
     check_host,
     check_room,
     errors_as_json,
-    read_json,
+    read_body,
     wait_for_future,
 )
 
@@ -49,6 +51,22 @@ class _Client:
     encoding: asyncio.Task | None = None  # its images at its encoders (--encoder-urls)
 
 
+class TransferIn(StrictBody):
+    """``POST /generate`` of a transfer-only worker: receive one room's embedding."""
+
+    rid: str
+    bootstrap_host: str
+    bootstrap_port: int
+    bootstrap_room: int
+
+
+class AbortIn(StrictBody):
+    """``POST /abort_request``; SGLang's other fields (``abort_all``, ...) are let through and unused."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    rid: str
+
+
 def build_app(worker: LanguageWorker, allowed: BootstrapAllowList, service: GenerationService | None = None,
               dispatch: EncoderDispatch | None = None, model_name: str = "",
               admin_api_key: str | None = None) -> web.Application:
@@ -58,14 +76,11 @@ def build_app(worker: LanguageWorker, allowed: BootstrapAllowList, service: Gene
     clients: dict[str, _Client] = {}
 
     async def transfer_only(request: web.Request) -> web.Response:
-        body = await read_json(request, {"rid": str, "bootstrap_host": str, "bootstrap_port": int,
-                                         "bootstrap_room": int})
-        room = check_room(body["bootstrap_room"])
-        port = body["bootstrap_port"]
+        body = await read_body(request, TransferIn)
+        room, port, rid = check_room(body.bootstrap_room), body.bootstrap_port, body.rid
         if not 0 < port < 65536:
             raise HTTPError(400, "bootstrap_port must be in 1..65535")
-        rid = body["rid"]
-        host = check_host(body["bootstrap_host"])
+        host = check_host(body.bootstrap_host)
         allowed.check(host, port)
         future = worker.submit(rid, f"{host}:{port}", room)
         return web.json_response(await wait_for_future(future, lambda: worker.cancel(rid, "the client went away")))
@@ -241,7 +256,7 @@ def build_app(worker: LanguageWorker, allowed: BootstrapAllowList, service: Gene
                 "first_token_ms": round((gen.first_token_at - arrived) * 1e3, 3) if gen.first_token_at else None}
 
     async def abort_request(request: web.Request) -> web.Response:
-        rid = (await read_json(request, {"rid": str}))["rid"]
+        rid = (await read_body(request, AbortIn)).rid
         client = clients.get(rid)
         if client is not None:
             client.aborted = True

@@ -30,44 +30,43 @@ from language_side.schemas import (
     MAX_MESSAGES,
     MAX_TEXT_CHARS,
     BodyError,
-    Strict,
     parse,
 )
 from language_side.serving import Event, Generation, GenerationService, TextStream
-from worker_infra.http import HTTPError
+from worker_infra.http import HTTPError, StrictBody
 
 MAX_PARTS = 256  # per message
 # (rid, prompt text, image sources in order, sampling) -> the generation and its transfer's fields
 StartGeneration = Callable[[str, str, list[str], SamplingParams], Awaitable[tuple[Generation, dict]]]
 
 
-class ImageURL(Strict):
+class ImageURL(StrictBody):
     url: str = Field(min_length=1, max_length=MAX_IMAGE_SOURCE_CHARS)
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ChatTextPart(Strict):
+class ChatTextPart(StrictBody):
     type: Literal["text"]
     text: str = Field(max_length=MAX_TEXT_CHARS)
 
 
-class ChatImagePart(Strict):
+class ChatImagePart(StrictBody):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class ChatMessage(Strict):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[ChatTextPart | ChatImagePart], Field(max_length=MAX_PARTS)] = Field(
         max_length=MAX_TEXT_CHARS)
     name: str | None = Field(None, max_length=256)
 
 
-class StreamOptions(Strict):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class _Sampling(Strict):
+class _Sampling(StrictBody):
     """The fields chat and completions share."""
 
     model: str = Field(max_length=256)

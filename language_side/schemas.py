@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from language_side.engine import SamplingParams
+from worker_infra.http import StrictBody
 
 MAX_TEXT_CHARS = 1 << 20
 MAX_MESSAGES = 512
@@ -19,16 +20,12 @@ class BodyError(ValueError):
     """A body that does not validate: the message names the fields."""
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-class TextPart(Strict):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str = Field(max_length=MAX_TEXT_CHARS)
 
 
-class ImagePart(Strict):
+class ImagePart(StrictBody):
     """Where an image goes. In the two-request flow the image itself went to the encoder; a URL
     here is ignored."""
 
@@ -36,7 +33,7 @@ class ImagePart(Strict):
     image_url: dict[str, str] | str | None = Field(None)
 
 
-class Message(Strict):
+class Message(StrictBody):
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart | ImagePart] = Field(max_length=MAX_TEXT_CHARS)
 
@@ -49,7 +46,7 @@ class Message(Strict):
         return {"role": self.role, "content": parts}
 
 
-class SamplingIn(Strict):
+class SamplingIn(StrictBody):
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -69,7 +66,7 @@ class SamplingIn(Strict):
         return params
 
 
-class GenerateIn(Strict):
+class GenerateIn(StrictBody):
     rid: str | None = Field(None, min_length=1, max_length=256)
     bootstrap_host: str | None = Field(None, max_length=253)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
@@ -105,7 +102,7 @@ class GenerateIn(Strict):
         return self.bootstrap_room is not None
 
 
-def parse(model: type[Strict], raw: bytes):
+def parse(model: type[StrictBody], raw: bytes):
     """``model`` from a JSON body, or BodyError naming the first few problems."""
     try:
         return model.model_validate_json(raw)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import re
 import secrets
 import signal
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from connector.checkpoint import CheckpointError
 from connector.failures import FailureKind, TransferFailure
@@ -109,34 +110,33 @@ def error_reply(exc: HTTPError | TransferFailure | CheckpointError
     return 422, f"{exc}; fix or remove it, or wake with discard_checkpoint=true", {}, None
 
 
-async def read_json(request: web.Request, required: dict[str, type | tuple[type, ...]],
-                    optional: dict[str, type | tuple[type, ...]] | None = None) -> dict:
-    """The request's JSON object with ``required`` fields checked; HTTPError 400 otherwise. With
-    ``optional``, those may be there too (type checked) and any other field is refused."""
+class StrictBody(BaseModel):
+    """A request body: strict types (no ``"7"`` for 7, no ``true`` for 1), no NaN, unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def read_body(request: web.Request, model: type[Body]) -> Body:
+    """The request's JSON body as ``model``; HTTPError 400 naming the first problem otherwise."""
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # nested 100k deep, say
-        raise HTTPError(400, "body must be a JSON object") from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, "body must be a JSON object")
-    for name, kind in required.items():
-        if name not in body:
-            raise HTTPError(400, f"missing field {name!r}")
-        if not isinstance(body[name], kind) or (isinstance(body[name], bool) and bool not in _types(kind)):
-            raise HTTPError(400, f"field {name!r} has the wrong type")
-    if optional is not None:
-        if unknown := sorted(set(body) - set(required) - set(optional)):
-            raise HTTPError(400, f"unknown field(s) {', '.join(map(repr, unknown[:8]))}; this route takes "
-                                 f"{', '.join(map(repr, [*required, *optional]))}")
-        for name, kind in optional.items():
-            if name in body and (not isinstance(body[name], kind) or (
-                    isinstance(body[name], bool) and bool not in _types(kind))):
-                raise HTTPError(400, f"field {name!r} has the wrong type")
-    return body
+        return model.model_validate_json(await request.read())
+    except ValidationError as exc:
+        raise HTTPError(400, _first_problem(exc, model)) from None
 
 
-def _types(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
+def _first_problem(exc: ValidationError, model: type[BaseModel]) -> str:
+    errors = exc.errors()
+    if unknown := [str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden"]:
+        return (f"unknown field(s) {', '.join(map(repr, unknown[:8]))}; this route takes "
+                f"{', '.join(map(repr, model.model_fields))}")
+    first = errors[0]
+    if not first["loc"] or first["type"] == "json_invalid":  # not JSON, or not an object
+        return "body must be a JSON object"
+    name = str(first["loc"][0])
+    return f"missing field {name!r}" if first["type"] == "missing" else f"field {name!r} has the wrong type"
 
 
 async def wait_for_future(future: Future, on_cancel: Callable[[], object]) -> object:
