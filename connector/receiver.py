@@ -17,6 +17,11 @@ message of ours beyond register, init and resume: no abort, no suspend. It canno
 stop, but it writes a round only when asked and reports every round with a status, so an
 aborted room's blocks wait for the status of the round it owes (or ``fork_abort_hold``), and
 a suspend waits for that status in place of the ack.
+
+Locks, in this order only: the manager's ``_lock`` (every room's phase and the rooms table),
+then the allocator's and a room state's own (leaves: they call nothing back). No copy of an
+embedding's rows runs under the manager's lock except a sleep's checkpoint and a spill (both
+rare, and both must see a room that cannot change meanwhile).
 """
 
 from __future__ import annotations
@@ -114,6 +119,14 @@ class ReceiverCheckpoint:
 class _Round:
     start: int  # first token this round's blocks hold
     block_ids: list[int]
+
+
+def _copy_rounds(pool: BufferPool, rounds: list[_Round], out: Embedding, block_size: int, end: int) -> None:
+    """Copy tokens ``[0, end)`` of ``rounds`` from ``pool`` into ``out``."""
+    for rnd in rounds:
+        n = min(len(rnd.block_ids) * block_size, end - rnd.start)
+        if n > 0:
+            pool.read_into(rnd.block_ids[: -(-n // block_size)], out, rnd.start, n)
 
 
 class EmbeddingReceiver:
@@ -219,8 +232,11 @@ class EmbeddingReceiver:
 
         When the received blocks are one run of consecutive ids (the usual case), the result
         is a zero-copy view into the pool and those blocks return on ``Embedding.release()``;
-        otherwise every round is copied into a new array and the blocks return at once.
+        otherwise every round is copied into a new array and the blocks return at once. That
+        copy (75 MB for a 4K image) runs after the room is closed, outside the manager's lock:
+        statuses of other rooms are not held up by it.
         """
+        rounds: list[_Round] = []  # to copy once the lock is released
         with self._m._lock:
             if self.phase != R.LANDED:
                 if self.state.status == KVPoll.Failed:  # cancelled or failed after its Success was read
@@ -240,12 +256,17 @@ class EmbeddingReceiver:
                 m.allocator.free([b for rnd in self._rounds for b in rnd.block_ids if b not in held])
                 out.release_fn = lambda: m.allocator.free(used)
                 self._rounds = []
-            else:
+            else:  # the room closes with no round: its blocks are this call's until copied
                 out = self._out or Embedding.empty(self.total_tokens, m.pool.hidden_size, m.pool.dtype)
-                self._copy_rounds_into(out)
+                rounds, self._rounds, pool = self._rounds, [], m.pool
             out.aux[:] = self._aux
             self._close()
-            return out
+        if rounds:
+            try:
+                _copy_rounds(pool, rounds, out, bs, self.total_tokens)
+            finally:
+                m.allocator.free([b for rnd in rounds for b in rnd.block_ids])
+        return out
 
     def abort(self, kind: FailureKind = FailureKind.CANCELLED, reason: str = "aborted by the language side") -> None:
         """Fail at once and tell the encoder. Blocks the encoder may still be writing come back
@@ -342,13 +363,9 @@ class EmbeddingReceiver:
 
     def _copy_rounds_into(self, out: Embedding, upto: int | None = None) -> None:
         """Copy the rounds still in the pool into ``out``, tokens below ``upto`` (default: all)."""
-        bs = self._m.config.block_size
         assert self.total_tokens is not None
-        end = self.total_tokens if upto is None else upto
-        for rnd in self._rounds:
-            n = min(len(rnd.block_ids) * bs, end - rnd.start)
-            if n > 0:
-                self._m.pool.read_into(rnd.block_ids[: -(-n // bs)], out, rnd.start, n)
+        _copy_rounds(self._m.pool, self._rounds, out, self._m.config.block_size,
+                     self.total_tokens if upto is None else upto)
 
     def _clone_rounds_locked(self) -> Embedding:
         """Copy the rounds in the pool into a new embedding of just their tokens; free their blocks."""

@@ -14,6 +14,11 @@ for yet while they are free, and taken back (copied to host memory) as soon as a
 room needs them: no room waits for blocks held by a room that waits for it
 (``docs/flow_control.md``). A room's source blocks are freed once it ended and no write of it
 is in flight; aborts are acknowledged only then.
+
+Locks, in this order only: the manager's ``_lock`` (rooms, peers, staging), then the
+allocator's and a room state's own (leaves; the staging budget has none: it is used under
+``_lock``). The placer copies rows between host memory and blocks outside it; only a sleep's
+``detach_pool`` copies under it.
 """
 
 from __future__ import annotations

@@ -85,3 +85,32 @@ def test_a_fork_style_register_without_optional_frames_works(make_peer, make_lan
     assert len(fork.encode()) == 5
     monkeypatch.setattr(lang.manager, "_register_msg", lambda: fork)
     transfer(lang, peer, 5, 9000)
+
+
+def test_an_embedding_copied_at_assembly_is_copied_outside_the_managers_lock(make_peer, make_language,
+                                                                             monkeypatch) -> None:
+    """Issue 27: a room whose blocks are not one run is copied into a new array at assembly
+    (75 MB for a 4K image); the manager's lock, which every status of every room needs, is free
+    meanwhile. Bytes still equal what was staged."""
+    peer, lang = make_peer(), make_language()
+    m = lang.manager
+    monkeypatch.setattr(m.pool, "view", lambda *args: None)  # as if the rounds' blocks were scattered
+    real_read_into = m.pool.read_into
+    lock_free_during_copy: list[bool] = []
+
+    def read_into(*args) -> None:  # noqa: ANN002
+        with ThreadPoolExecutor(1) as other:  # another thread: the lock is reentrant for this one
+            lock_free_during_copy.append(other.submit(_try_lock, m._lock).result())
+        real_read_into(*args)
+
+    monkeypatch.setattr(m.pool, "read_into", read_into)
+    receiver = transfer(lang, peer, 1, 20_000)  # two rounds: two runs of blocks
+    assert receiver.resume_rounds >= 1 and lock_free_during_copy and all(lock_free_during_copy)
+    assert lang.allocator.all_free()
+
+
+def _try_lock(lock) -> bool:  # noqa: ANN001
+    if not lock.acquire(timeout=1.0):
+        return False
+    lock.release()
+    return True
