@@ -197,7 +197,7 @@ def test_an_image_sent_again_comes_from_the_cache_and_one_pixel_makes_another(cl
     assert metric(lang, "epd_embedding_cache_hits_total") == hits + 2
 
 
-@pytest.mark.faults
+# Not a `faults` test although it kills an encoder: it asserts answers, not timing, so it runs beside others.
 def test_three_encoders_two_language_workers_32_chats_one_encoder_killed_halfway(folder, images) -> None:  # noqa: F811
     """Every chat completes with the answer it gives without the kill: the parts on the killed
     encoder are sent again to the others, invisibly to the clients."""
