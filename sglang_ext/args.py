@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from connector.buffers import BufferPool
 from connector.config import ENV_NAMES, ConnectorConfig
@@ -22,44 +25,76 @@ KV_HELP = ("bytes = tokens x 2 x layers x KV heads x head dim x dtype size: 2 Ki
            "worker prints its own at startup")
 
 
+@dataclass(frozen=True)
+class SharedFlag:
+    """A flag SGLang's own parser defines too: our launcher defines it with ``kwargs``; under
+    SGLang's launchers the worker takes SGLang's parsed value (``ServerArgs.<dest>``, through
+    ``from_sglang``). ``from_sglang`` None: the SGLang plugin derives it itself (the mode, the
+    transfer backend)."""
+
+    flag: str
+    kwargs: dict
+    from_sglang: Callable[[Any], Any] | None = lambda value: value
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+def _shared_flags(d: ConnectorConfig) -> tuple[SharedFlag, ...]:
+    return (
+        SharedFlag("--disaggregation-mode", dict(
+            choices=MODES, default=None, help="encode: vision encoder + bootstrap server; language: receives "
+            "embeddings and generates (or --encoder-only / --language-only, SGLang's names)"), None),
+        SharedFlag("--encoder-only", dict(action="store_true", help="the same as --disaggregation-mode encode"), None),
+        SharedFlag("--language-only", dict(action="store_true", help="the same as --disaggregation-mode language"),
+                   None),
+        SharedFlag("--encoder-urls", dict(
+            nargs="+", default=None, metavar="URL", help="language side: encode workers (http://host:port) this "
+            "worker sends the images of a request to itself (image_data in /generate, image_url parts in "
+            "/v1/chat/completions), split by load, a failed part sent again to another encoder"),
+            lambda urls: urls or None),
+        SharedFlag("--host", dict(default="127.0.0.1", help="interface every server binds (default %(default)s)")),
+        SharedFlag("--port", dict(type=int, default=30000, help="HTTP port (default %(default)s)")),
+        SharedFlag("--model-path", dict(default=None, help="Qwen2.5-VL checkpoint folder (config.json + safetensors); "
+                                        "encode side loads its vision tower. Default: a built-in seeded small tower "
+                                        "with 7B geometry")),
+        SharedFlag("--disaggregation-bootstrap-port", dict(
+            type=int, default=8998, help="encode side: port of the bootstrap server (default %(default)s)")),
+        SharedFlag("--disaggregation-transfer-backend", dict(
+            default="mooncake", choices=["mooncake"], help="transfer backend (default %(default)s)"), None),
+        SharedFlag("--disaggregation-ib-device", dict(default="", help="RDMA device for Mooncake (with "
+                                                      "--mooncake-protocol rdma)"), lambda device: device or ""),
+        SharedFlag("--tp-size", dict(type=int, default=1, help="tensor parallel size (only 1 is supported)")),
+        SharedFlag("--log-level", dict(default="info", choices=["debug", "info", "warning", "error"])),
+        SharedFlag("--admin-api-key", dict(default=None, metavar="KEY", help="/sleep and /wake_up need "
+                                           "'Authorization: Bearer KEY' (SGLang's flag; default: open)")),
+        SharedFlag("--max-queued-requests", dict(
+            type=int, default=d.max_queued_requests, metavar="N", help=f"requests waiting for blocks (language "
+            f"side) or for memory and the encoder (encode side); more get 503 with Retry-After at once, env "
+            f"{ENV_NAMES['max_queued_requests']} (default %(default)s)"), lambda n: n or d.max_queued_requests),
+        SharedFlag("--allowed-media-domains", dict(
+            nargs="+", metavar="HOST", help="encode side: http(s) images only from these host names (then no "
+            "address check)"), lambda hosts: hosts or None),
+        SharedFlag("--device", dict(default=None, help="where the models run: cpu (default) or cuda")),
+        SharedFlag("--max-total-tokens", dict(
+            type=int, default=None, metavar="TOKENS", help=f"language side: KV cache budget in tokens ({KV_HELP}); "
+            f"requests beyond it wait (default {DEFAULT_KV_TOKENS})")),
+    )
+
+
+def shared_flags() -> tuple[SharedFlag, ...]:
+    """The flags SGLang defines too, each once: our launcher's definitions and how the plugin
+    reads SGLang's values for them."""
+    return _shared_flags(ConnectorConfig.from_env())
+
+
 def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -> None:
     """Add our flags; ``with_shared=False`` leaves out the ones SGLang already defines."""
     d = ConnectorConfig.from_env()
     if with_shared:
-        parser.add_argument("--disaggregation-mode", choices=MODES, default=None,
-                            help="encode: vision encoder + bootstrap server; language: receives embeddings and "
-                                 "generates (or --encoder-only / --language-only, SGLang's names)")
-        parser.add_argument("--encoder-only", action="store_true", help="the same as --disaggregation-mode encode")
-        parser.add_argument("--language-only", action="store_true", help="the same as --disaggregation-mode language")
-        parser.add_argument("--encoder-urls", nargs="+", default=None, metavar="URL",
-                            help="language side: encode workers (http://host:port) this worker sends the images of a "
-                                 "request to itself (image_data in /generate, image_url parts in /v1/chat/completions), "
-                                 "split by load, a failed part sent again to another encoder")
-        parser.add_argument("--host", default="127.0.0.1", help="interface every server binds (default %(default)s)")
-        parser.add_argument("--port", type=int, default=30000, help="HTTP port (default %(default)s)")
-        parser.add_argument("--model-path", default=None,
-                            help="Qwen2.5-VL checkpoint folder (config.json + safetensors); encode side loads its "
-                                 "vision tower. Default: a built-in seeded small tower with 7B geometry")
-        parser.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
-                            help="encode side: port of the bootstrap server (default %(default)s)")
-        parser.add_argument("--disaggregation-transfer-backend", default="mooncake", choices=["mooncake"],
-                            help="transfer backend (default %(default)s)")
-        parser.add_argument("--disaggregation-ib-device", default="",
-                            help="RDMA device for Mooncake (with --mooncake-protocol rdma)")
-        parser.add_argument("--tp-size", type=int, default=1, help="tensor parallel size (only 1 is supported)")
-        parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-        parser.add_argument("--admin-api-key", default=None, metavar="KEY",
-                            help="/sleep and /wake_up need 'Authorization: Bearer KEY' (SGLang's flag; default: open)")
-        parser.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests, metavar="N",
-                            help=f"requests waiting for blocks (language side) or for memory and the encoder "
-                                 f"(encode side); more get 503 with Retry-After at once, env "
-                                 f"{ENV_NAMES['max_queued_requests']} (default %(default)s)")
-        parser.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
-                            help="encode side: http(s) images only from these host names (then no address check)")
-        parser.add_argument("--device", default=None, help="where the models run: cpu (default) or cuda")
-        parser.add_argument("--max-total-tokens", type=int, default=None, metavar="TOKENS",
-                            help=f"language side: KV cache budget in tokens ({KV_HELP}); requests beyond it "
-                                 f"wait (default {DEFAULT_KV_TOKENS})")
+        for shared in _shared_flags(d):
+            parser.add_argument(shared.flag, **shared.kwargs)
     pool_bytes = BufferPool.bytes_for(d.num_blocks, d.block_size, d.hidden_size, d.dtype)
     e = parser.add_argument_group("language model (language side)")
     e.add_argument("--language-backend", choices=LANGUAGE_BACKENDS, default=None,

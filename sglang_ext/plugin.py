@@ -139,8 +139,7 @@ def our_mode(server_args) -> str | None:
 
 def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
     """Our worker's flags: SGLang's parsed values for shared things, ours parsed from ``argv``."""
-    from connector.config import ConnectorConfig
-    from sglang_ext.args import add_worker_args
+    from sglang_ext.args import add_worker_args, shared_flags
 
     parser = argparse.ArgumentParser(add_help=False)
     add_worker_args(parser, with_shared=False)
@@ -151,17 +150,9 @@ def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
                          f"--disaggregation-mode {our_mode(server_args)}; use one of {sorted(BACKENDS)}")
     ours.mooncake_protocol = BACKENDS[backend] or ours.mooncake_protocol
     ours.disaggregation_mode = our_mode(server_args)
-    ours.host, ours.port = server_args.host, server_args.port
-    ours.model_path = server_args.model_path
-    ours.device, ours.max_total_tokens = server_args.device, server_args.max_total_tokens
-    ours.disaggregation_bootstrap_port = server_args.disaggregation_bootstrap_port
-    ours.disaggregation_ib_device = server_args.disaggregation_ib_device or ""
-    ours.tp_size = server_args.tp_size
-    ours.log_level = server_args.log_level
-    ours.admin_api_key = server_args.admin_api_key
-    ours.max_queued_requests = server_args.max_queued_requests or ConnectorConfig.from_env().max_queued_requests
-    ours.allowed_media_domains = server_args.allowed_media_domains or None
-    ours.encoder_urls = getattr(server_args, "encoder_urls", None) or None
+    for shared in shared_flags():
+        if shared.from_sglang is not None:
+            setattr(ours, shared.dest, shared.from_sglang(getattr(server_args, shared.dest, None)))
     if ours.language_backend is None:
         ours.language_backend = "native" if ours.disaggregation_mode != "language" or ours.language_model == "none" \
             or not ours.model_path else "sglang"
