@@ -34,6 +34,7 @@ SGLANG_READY = "The server is fired up and ready to roll!"  # what SGLang's serv
 # Where tests and scripts run their encoders: a language worker may be sent to any of them by a
 # request's bootstrap_host (the two-request flow).
 LOOPBACK_ENCODERS = ["--allowed-bootstrap-hosts", "127.0.0.1"]
+PORT_ATTEMPTS = 3  # starts of a worker whose picked port turned out taken
 
 
 class WorkerProcess:
@@ -49,22 +50,32 @@ class WorkerProcess:
         naming encoders on loopback, unless ``trusted_media`` is false. It is
         up once a log line starts with ``READY `` (ours), or holds ``ready`` (SGLang's own server:
         :data:`SGLANG_READY`)."""
-        self.mode, self.port, self.ready_marker = mode, port or free_port(), ready
-        self.bootstrap_port = (bootstrap_port or free_port()) if mode == "encode" else None
-        args = [*command, "--disaggregation-mode", mode, "--host", "127.0.0.1",
-                "--port", str(self.port), *extra]
-        if self.bootstrap_port:
-            args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
-        if mode == "encode" and trusted_media:
-            args += ["--allowed-local-media-path", tempfile.gettempdir(), "--allow-private-media-urls"]
-        if mode == "language" and trusted_media:
-            args += LOOPBACK_ENCODERS
-        # A file, not a pipe: nobody has to keep reading it for the worker to keep running.
-        self.log_file = tempfile.NamedTemporaryFile("w+", prefix=f"{mode}-worker-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log_file, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "MC_LOG_LEVEL": "ERROR", **(env or {})})
-        LIVE.add(self)
-        self._wait_ready(timeout)
+        self.mode, self.ready_marker = mode, ready
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self.port = port or free_port()
+            self.bootstrap_port = (bootstrap_port or free_port()) if mode == "encode" else None
+            args = [*command, "--disaggregation-mode", mode, "--host", "127.0.0.1",
+                    "--port", str(self.port), *extra]
+            if self.bootstrap_port:
+                args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+            if mode == "encode" and trusted_media:
+                args += ["--allowed-local-media-path", tempfile.gettempdir(), "--allow-private-media-urls"]
+            if mode == "language" and trusted_media:
+                args += LOOPBACK_ENCODERS
+            # A file, not a pipe: nobody has to keep reading it for the worker to keep running.
+            self.log_file = tempfile.NamedTemporaryFile("w+", prefix=f"{mode}-worker-", suffix=".log", delete=False)
+            self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log_file, stderr=subprocess.STDOUT, text=True,
+                                         env={**os.environ, "MC_LOG_LEVEL": "ERROR", **(env or {})})
+            LIVE.add(self)
+            try:
+                self._wait_ready(timeout)
+                break
+            except RuntimeError as exc:
+                # A port free_port() picked was taken before the worker bound it (another process's
+                # random port: a race no pick avoids). Ports the caller named are not picked again.
+                chosen = port is None and (bootstrap_port is None or mode != "encode")
+                if attempt == PORT_ATTEMPTS or not chosen or "address already in use" not in str(exc).lower():
+                    raise
         self.url = f"http://127.0.0.1:{self.port}"
 
     @property

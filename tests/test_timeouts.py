@@ -44,6 +44,8 @@ def test_the_encoder_waits_300s_for_data_and_for_an_init_and_then_fails_each_roo
     clock = ManualClock()
     peer, lang = make_peer(clock=clock, bootstrap_timeout=300), make_language()
     receiver = start_room(lang, peer, 77, 4)  # initialised, but the encoder never gets the data
+    # its deadline starts when the init arrives: on a loaded machine that may be after a clock move
+    wait_for(lambda: peer.call("stats")["active_rooms"] == 1, 5, "the init to reach the encoder")
     peer.call("stage", room=78, tokens=300, seed=1)  # staged, but never initialised
     clock.advance(299)
     stays(lambda: receiver.poll() != KVPoll.Failed and peer.call("status", room=78)["status"] != "Failed",
