@@ -203,17 +203,29 @@ class LanguagePeers:
     def may_write(self, session: str) -> bool:
         """A write to ``session`` may start now; if not, a ping is on its way and :meth:`on_pong`
         says when it may."""
+        if self.writable(session):
+            return True
+        self.confirm(session)
+        return False
+
+    def writable(self, session: str) -> bool:
+        """A write to ``session`` may start now (asks nothing of the peer)."""
         peer = self._peers.get(session)
         if peer is None or not self.speaks_ours(session):
             return True  # fork peers are never pinged; an unknown session fails in the write, by name
         if session in self._claims:
             return False  # which pool it has is not settled: the answer to the claim's ping starts it
+        return peer.confirmed_epoch == self.stall.epoch()
+
+    def confirm(self, session: str) -> None:
+        """Ping ``session`` unless it is confirmed for this epoch or a ping of it is out (or a
+        claim's ping is: its answer settles the session)."""
+        peer = self._peers.get(session)
+        if peer is None or not self.speaks_ours(session) or session in self._claims:
+            return
         epoch = self.stall.epoch()
-        if peer.confirmed_epoch == epoch:
-            return True
-        if epoch not in peer.pings.values():
+        if peer.confirmed_epoch != epoch and epoch not in peer.pings.values():
             self._ping(session, peer, epoch)
-        return False
 
     def on_pong(self, msg: PongMsg) -> PongOutcome | None:
         """Handle an answer (None: it answers no ping we sent, or comes from elsewhere). The

@@ -1,19 +1,19 @@
-"""Encode side of the connector: stage, place, write rounds, report status.
+"""Encode side of the connector: the manager that runs the rooms' state machines.
 
 One :class:`EmbeddingSenderManager` per encode worker owns the source pool, its allocator, the
 host staging budget, the transport, the PULL socket and the worker threads. Each request gets
 an :class:`EmbeddingSender` (SGLang's ``BaseKVSender`` shape: ``send``, ``poll``,
 ``failure_exception``, ``abort``) plus ``admit`` and ``delivered`` for flow control.
 
-A room's life (phases and transitions in :mod:`connector.sender_rooms`): ``Bootstrapping``
-until every destination sent its init; the embedding arrives in host memory (``send``) and a
-placer thread copies it into pool blocks; then one round of ``min(remaining, allocated)``
-tokens is written at a time -> ``Transferring`` (partial: wait for a resume) or ``Success``.
-Pool blocks are held by rooms a language peer has asked for, or lent to rooms nobody has asked
-for yet while they are free, and taken back (copied to host memory) as soon as an asked-for
-room needs them: no room waits for blocks held by a room that waits for it
-(``docs/flow_control.md``). A room's source blocks are freed once it ended and no write of it
-is in flight; aborts are acknowledged only then.
+A room's life is :mod:`connector.sender_rooms` (its phases, their one transition table, and
+``SenderRoom.on``, the only place a phase changes): ``Bootstrapping`` until every destination
+sent its init; the embedding arrives in host memory (``send``) and a placer thread copies it
+into pool blocks (:mod:`connector.placement` picks what moves next); then one round of
+``min(remaining, allocated)`` tokens is written at a time -> ``Transferring`` (partial: wait
+for a resume) or ``Success``. This module turns what happens (a message, a landed write, a
+copy, the clock) into events for the room and applies the effects the room returns: it owns
+the sockets, threads and locks. Who may act on a room (registry, ownership) is checked here,
+before an event is made; :mod:`connector.language_peers` keeps the registry and heartbeats.
 
 Locks, in this order only: the manager's ``_lock`` (rooms, peers, staging), then the
 allocator's and a room state's own (leaves; the staging budget has none: it is used under
@@ -29,15 +29,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
+from connector import sender_rooms as ev
 from connector.addressing import plan_round
 from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
-from connector.failures import FailureKind, TransferFailure, wire_reason
+from connector.failures import FailureKind, wire_reason
 from connector.language_peers import LanguagePeers
 from connector.messages import (
     AbortAckMsg,
@@ -54,9 +55,10 @@ from connector.messages import (
     decode_encoder_bound,
 )
 from connector.peer_health import FailingPeers
+from connector.placement import PlacementQueue, copy_out
 from connector.poll import KVPoll
 from connector.rejections import Rejections
-from connector.sender_rooms import Destination, SenderPhase, SenderRoom, Write
+from connector.sender_rooms import Destination, SenderPhase, SenderRoom, Timeouts, World, Write, embedding_nbytes
 from connector.staging import ByteBudget
 from connector.transport import TransferError, Transport
 from connector.write_workers import WriteWorkers
@@ -79,11 +81,19 @@ class SenderRoomCheckpoint:
     destinations: int  # required_dst_info_num of its init; 0 before any init arrived
 
 
+@dataclass
+class _Answer:
+    """What the manager keeps of a room for its encode request, beside the state machine."""
+
+    delivered: Future = field(default_factory=Future)  # None once every destination has it all
+    first_write_at: float | None = None  # time.monotonic() as the first round's write began
+
+
 class EmbeddingSender:
     """One request's sending end; cheap, all work happens in the manager."""
 
-    def __init__(self, manager: EmbeddingSenderManager, room: SenderRoom) -> None:
-        self._manager, self._r, self.room = manager, room, room.room
+    def __init__(self, manager: EmbeddingSenderManager, room: SenderRoom, answer: _Answer) -> None:
+        self._manager, self._r, self._answer, self.room = manager, room, answer, room.room
 
     def admit(self, nbytes: int) -> Future:
         """Reserve host memory for the embedding to come; the future completes when granted
@@ -97,7 +107,7 @@ class EmbeddingSender:
     @property
     def delivered(self) -> Future:
         """Completes once every destination has every token; fails with :class:`TransferFailure`."""
-        return self._r.delivered
+        return self._answer.delivered
 
     def poll(self) -> KVPoll:
         return self._r.state.status
@@ -109,7 +119,7 @@ class EmbeddingSender:
     @property
     def first_write_at(self) -> float | None:
         """``time.monotonic()`` when the first byte of this room started moving (None before)."""
-        return self._r.first_write_at
+        return self._answer.first_write_at
 
     @property
     def phase(self) -> SenderPhase:
@@ -140,6 +150,7 @@ class EmbeddingSenderManager:
             raise ValueError("pool geometry does not match the connector config")
         self.config, self.transport, self.pool, self.allocator = config, transport, pool, allocator
         self.clock = clock
+        self.timeouts = Timeouts(config.bootstrap_timeout, config.resume_timeout, config.max_sleep)
         self.stats: collections.Counter[str] = collections.Counter()
         self.rejections = Rejections(log)
         self.failing = FailingPeers()  # language peers whose rooms keep failing, for /health
@@ -147,8 +158,9 @@ class EmbeddingSenderManager:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # a write settled or data moved
         self._rooms: dict[int, SenderRoom] = {}
+        self._answers: dict[int, _Answer] = {}  # beside each room of _rooms
         self._ended: collections.OrderedDict[int, float] = collections.OrderedDict()  # room -> when it ended
-        self._to_place: collections.deque[SenderRoom] = collections.deque()  # data in host memory, FIFO
+        self._to_place = PlacementQueue()  # data in host memory waiting for blocks
         self._paused = False  # this worker sleeps: no write or placement starts, no timeout fires
         self._stop = threading.Event()
         transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
@@ -176,10 +188,10 @@ class EmbeddingSenderManager:
             r = self._rooms.get(room)
             if r is None:
                 r = self._new_room(room)
-            elif r.claimed or r.phase == P.DONE or (r.live and r.has_data):
+            elif not r.claimable:
                 raise ValueError(f"room {room} is already in use")
             r.claimed = True
-            return EmbeddingSender(self, r)
+            return EmbeddingSender(self, r, self._answers[room])
 
     def refuse(self, room: int, kind: FailureKind, reason: str) -> None:
         """Fail ``room`` for an encode request that ends before it got a sender (asleep, bad
@@ -187,7 +199,7 @@ class EmbeddingSenderManager:
         with self._lock:
             r = self._rooms.get(room) or self._new_room(room)
             if not r.claimed:  # a room another request owns is not this request's to fail
-                self._fail(r, kind, reason)
+                self._dispatch(r, ev.Fail(kind, reason))
 
     def asked_for(self, room: int) -> bool:
         """Every destination of ``room`` has sent its init: a language worker holds blocks for it."""
@@ -205,7 +217,7 @@ class EmbeddingSenderManager:
     def queue_stats(self) -> dict[str, int]:
         with self._lock:
             return {"staged_bytes": self.staging.used, "staging_waiting": self.staging.waiting,
-                    "waiting_for_blocks": sum(1 for r in self._to_place if r.inited)}
+                    "waiting_for_blocks": self._to_place.waiting_for_blocks()}
 
     # ---- sleep ------------------------------------------------------------------------------
 
@@ -221,17 +233,17 @@ class EmbeddingSenderManager:
     def abort_all(self, kind: FailureKind, reason: str) -> None:
         with self._lock:
             for r in list(self._rooms.values()):
-                self._fail(r, kind, reason)
+                self._dispatch(r, ev.Fail(kind, reason))
 
     def detach_pool(self) -> int:
         """Copy every room's source data to host memory, free the blocks, deregister the pool.
         Call after :meth:`pause`. Returns the bytes kept in host memory."""
         with self._lock:
-            for r in self._rooms.values():
+            for r in list(self._rooms.values()):
                 if r.src_blocks is not None:
-                    self._take_out_of_pool(r, self._copy_out(r.src_blocks, r.total_tokens))
+                    self._dispatch(r, ev.TakenOut(copy_out(self.pool, r.src_blocks, r.total_tokens)))
             self.transport.unregister([b.ctypes.data for b in self.pool.buffers])
-            return sum(_nbytes(r.staged) for r in self._rooms.values() if r.live and r.staged is not None)
+            return sum(embedding_nbytes(r.staged) for r in self._rooms.values() if r.live and r.staged is not None)
 
     def held_rooms(self) -> list[SenderRoomCheckpoint]:
         """The rooms kept in host memory over a sleep, for a checkpoint on disk."""
@@ -253,23 +265,18 @@ class EmbeddingSenderManager:
                 raise ValueError(f"rooms {taken} are already in use")
             self.transport.register([(b.ctypes.data, b.nbytes) for b in pool.buffers])
             self.pool, self.allocator = pool, allocator
-            now = self.clock()
             for saved in restored:
-                r = self._new_room(saved.room)
-                r.total_tokens, r.staged, r.required_dsts = saved.data.num_tokens, saved.data, saved.destinations
-                self.staging.charge(r.room, _nbytes(saved.data))
-                if saved.sent_tokens:
-                    r.state.advance(KVPoll.Transferring, saved.sent_tokens)
-                r.move(P.SUSPENDED)
-            for r in self._rooms.values():
-                r.deadline = max(r.deadline, now + self.config.resume_timeout)
+                self._dispatch(self._new_room(saved.room), ev.Restored(saved.data, saved.sent_tokens,
+                                                                       saved.destinations))
+            for r in list(self._rooms.values()):
+                self._dispatch(r, ev.Woken())
             self._unpause()
 
     def _unpause(self) -> None:
         """Let writes and placements start again, beginning with those held back (lock held)."""
         self._paused = False
         for r in list(self._rooms.values()):
-            self._maybe_start(r)
+            self._dispatch(r, ev.Kick())
         self._changed.notify_all()
 
     def active_rooms(self) -> int:
@@ -289,12 +296,86 @@ class EmbeddingSenderManager:
         self._context.term()
         self.transport.unregister([b.ctypes.data for b in self.pool.buffers])
 
-    # ---- room bookkeeping (lock held) ----------------------------------------------------------
+    # ---- running a room's state machine (lock held) ----------------------------------------------
 
     def _new_room(self, room: int) -> SenderRoom:
-        r = self._rooms[room] = SenderRoom(room, deadline=self.clock() + self.config.bootstrap_timeout,
-                                              clock=self.clock)
+        r = self._rooms[room] = SenderRoom(room, self.timeouts, deadline=self.clock() + self.config.bootstrap_timeout)
+        self._answers[room] = _Answer()
         return r
+
+    def _world(self, r: SenderRoom, event: ev.Event) -> World:
+        sessions = r.sessions() | ({event.dst.session_id} if isinstance(event, ev.Init | ev.Resume) else set())
+        return World(self.clock(), self._paused, frozenset(s for s in sessions if self.peers.writable(s)))
+
+    def _dispatch(self, r: SenderRoom, event: ev.Event) -> None:
+        """Give ``event`` to the room and do what it asks, in order."""
+        effects = r.on(event, self._world(r, event))
+        for effect in effects:
+            self._apply(r, effect)
+        if effects or not isinstance(event, ev.Tick):  # a quiet tick wakes no waiter
+            self._changed.notify_all()
+
+    def _apply(self, r: SenderRoom, effect: ev.Effect) -> None:
+        match effect:
+            case ev.SendStatus(host, port, status):
+                self._push.try_send(host, port, self._status_frames(host, port, status))
+            case ev.SendAck(host, port, ack):
+                self._send_ack(host, port, ack)
+            case ev.AnnounceTotal(d):  # fork peers never get this frame
+                if self.peers.speaks_ours(d.session_id):
+                    self._push.try_send(d.endpoint, d.port, StatusMsg(r.room, KVPoll.WaitingForInput, 0, "",
+                                                                      r.total_tokens).encode())
+            case ev.StartWrite(write):
+                self._writers.submit((r, write))
+            case ev.FreeBlocks(blocks):
+                self.allocator.free(blocks)
+            case ev.WantBlocks():
+                self._to_place.add(r)
+            case ev.StagingSettle(nbytes):
+                self.staging.settle(r.room, nbytes)
+            case ev.StagingCharge(nbytes):
+                self.staging.charge(r.room, nbytes)
+            case ev.StagingPromote():
+                self.staging.promote(r.room)
+            case ev.StagingRelease(error):
+                self.staging.release(r.room, error)
+            case ev.Delivered(failure):
+                answer = self._answers[r.room]
+                if failure is None:
+                    answer.delivered.set_result(None)
+                else:
+                    answer.delivered.set_exception(failure)
+            case ev.RoomFailed(kind, reason):
+                self.stats[f"failed:{kind.value}"] += 1
+                log.warning("room %d failed: %s", r.room, reason)
+            case ev.PeerFailed(peer, kind, reason):
+                self.failing.failed(peer, kind, reason)
+            case ev.PeerSucceeded(peer):
+                self.failing.succeeded(peer)
+            case ev.Confirm(sessions):
+                for session in sessions:
+                    self.peers.confirm(session)
+            case ev.Count(stat):
+                self.stats[stat] += 1
+            case ev.Ended():
+                self._ended[r.room] = self.clock()
+                self._ended.move_to_end(r.room)
+                while len(self._ended) > _MAX_ENDED:
+                    self._drop(self._ended.popitem(last=False)[0])
+
+    def _send_ack(self, host: str, port: int, ack: AbortAckMsg | SuspendAckMsg) -> None:
+        """Only to a peer that speaks our extensions (a stranger may name a fork peer's address
+        in an abort; that peer's receiving thread would die on the ack)."""
+        if self.peers.speaks_ours_at(host, port):
+            self._push.try_send(host, port, ack.encode())
+
+    def _drop(self, room: int) -> None:
+        self._rooms.pop(room, None)
+        self._answers.pop(room, None)
+
+    def _status_frames(self, host: str, port: int, msg: StatusMsg) -> list[bytes]:
+        """Our status frames for our peers; the fork's two for any other (unknown ones included)."""
+        return msg.encode(extended=self.peers.speaks_ours_at(host, port))
 
     def _admit(self, r: SenderRoom, nbytes: int) -> Future:
         with self._lock:
@@ -313,194 +394,38 @@ class EmbeddingSenderManager:
         with self._lock:
             if r.has_data:
                 raise ValueError(f"room {r.room}: send() called twice")
-            if not r.live:  # aborted meanwhile: nothing to keep
-                self.staging.release(r.room)
-                return
-            if self.pool.blocks_for(embedding.num_tokens) > self.allocator.num_blocks:
+            if r.live and self.pool.blocks_for(embedding.num_tokens) > self.allocator.num_blocks:
                 raise ValueError(f"{embedding.num_tokens} tokens need more blocks than the pool's "
                                  f"{self.allocator.num_blocks}")
-            r.staged, r.total_tokens = embedding, embedding.num_tokens
-            self.staging.settle(r.room, _nbytes(embedding))
-            if r.phase == P.AWAITING_DATA:
-                r.move(P.READY)
-            self._want_blocks(r)  # asked for or not: an idle pool lends it blocks
-
-    def _maybe_start(self, r: SenderRoom) -> None:
-        """Start the room's next round if all it needs is there; ask for blocks if only they lack."""
-        if self._paused or r.moving or r.phase not in (P.READY, P.WRITING):
-            return
-        if r.src_blocks is None:
-            self._want_blocks(r)
-            return
-        if not all(self.peers.may_write(d.session_id) for d in r.dsts):
-            return  # a ping is out: its pong starts the round
-        write = r.next_round()
-        if write is None:
-            return
-        if r.writes:
-            self.stats["pipelined_rounds"] += 1
-        r.writes.append(write)
-        if r.phase == P.READY:
-            r.move(P.WRITING)
-        if write.start == 0 and write.end < r.total_tokens and len(r.dsts) == 1:
-            self._announce_total(r, r.dsts[0])
-        self._writers.submit((r, write))
-
-    def _announce_total(self, r: SenderRoom, d: Destination) -> None:
-        """Tell one of our own language peers the total as an oversized first round starts, so it
-        can allocate and resume while this round is written (fork peers never get this frame)."""
-        if self.peers.speaks_ours(d.session_id):
-            self._push.try_send(d.endpoint, d.port, StatusMsg(r.room, KVPoll.WaitingForInput, 0, "",
-                                                              r.total_tokens).encode())
-
-    def _fail(self, r: SenderRoom, kind: FailureKind, reason: str, notify: bool = True) -> None:
-        """Fail a live room; tell its destinations; end it once nothing is in flight."""
-        if not r.live or not r.state.fail(kind, reason):
-            return
-        self.stats[f"failed:{kind.value}"] += 1
-        log.warning("room %d failed: %s", r.room, reason)
-        for d in r.dsts:
-            self.failing.failed(f"{d.endpoint}:{d.port}", kind, reason)
-        if notify:
-            status = StatusMsg(r.room, KVPoll.Failed, r.state.progress.sent_tokens, wire_reason(kind, reason))
-            for d in r.dsts:
-                self._tell_failed(r, d.endpoint, d.port, status)
-        r.delivered.set_exception(r.state.failure(r.room))
-        self.staging.release(r.room, TransferFailure(kind, reason))
-        r.staged = None
-        if r.in_flight:
-            r.move(P.DRAINING)
-            if all(write.done for write in r.writes):  # landed, their statuses held for a pong
-                self._settle_writes(r)
-        else:
-            r.move(P.FAILED)
-            self._end(r)
-
-    def _tell_failed(self, r: SenderRoom | None, host: str, port: int, msg: StatusMsg) -> None:
-        """Send a Failed status now, or once the room's writes have landed (see held_failures)."""
-        frames = self._status_frames(host, port, msg)
-        if r is not None and r.in_flight:
-            r.held_failures.append((host, port, frames))
-        else:
-            self._push.try_send(host, port, frames)
-
-    def _status_frames(self, host: str, port: int, msg: StatusMsg) -> list[bytes]:
-        """Our status frames for our peers; the fork's two for any other (unknown ones included)."""
-        return msg.encode(extended=self.peers.speaks_ours_at(host, port))
-
-    def _send_ack(self, host: str, port: int, frames: list[bytes]) -> None:
-        """An abort or suspend ack: only to a peer that speaks our extensions (a stranger may name
-        a fork peer's address in an abort; that peer's receiving thread would die on the ack)."""
-        if self.peers.speaks_ours_at(host, port):
-            self._push.try_send(host, port, frames)
-
-    def _end(self, r: SenderRoom) -> None:
-        """The room ended and no write of it is in flight: free its blocks, send what waited."""
-        if r.src_blocks is not None and not r.moving:  # a move in progress frees them when it ends
-            self.allocator.free(r.src_blocks)
-            r.src_blocks = None
-            self._changed.notify_all()  # the placer may use them
-        for host, port, frames in r.held_failures:  # before any ack, as _settle_writes does
-            self._push.try_send(host, port, frames)
-        r.held_failures.clear()
-        for ack in r.pending_acks:
-            self._send_ack(ack.endpoint, ack.dst_port, AbortAckMsg(r.room, ack.generation).encode())
-        r.pending_acks.clear()
-        self._send_suspend_acks(r)
-        self._ended[r.room] = self.clock()
-        self._ended.move_to_end(r.room)
-        while len(self._ended) > _MAX_ENDED:
-            self._rooms.pop(self._ended.popitem(last=False)[0], None)
-
-    def _send_suspend_acks(self, r: SenderRoom) -> None:
-        for ack in r.pending_suspend_acks:
-            self._send_ack(ack.endpoint, ack.dst_port, SuspendAckMsg(r.room, ack.generation).encode())
-        r.pending_suspend_acks.clear()
+            self._dispatch(r, ev.Handover(embedding))
 
     def _abort_local(self, r: SenderRoom, kind: FailureKind, reason: str) -> None:
         with self._lock:
-            self._fail(r, kind, reason)
+            self._dispatch(r, ev.Fail(kind, reason))
 
     # ---- placement: host memory <-> pool blocks ------------------------------------------------
 
     def _placer(self) -> None:
-        """Copies staged embeddings into pool blocks, and lent blocks back out, one at a time,
-        outside the lock (a 4K image is 75 MB)."""
+        """Runs the copies :mod:`connector.placement` picks, one at a time, outside the lock."""
         while not self._stop.is_set():
             with self._lock:
-                job = self._next_move()
-                if job is None:
+                move = None if self._paused else self._to_place.next_move(self.allocator, self.pool,
+                                                                          self._rooms.values())
+                if move is None:
                     self._changed.wait(0.5)
                     continue
-                r, blocks, placing = job
-                r.moving = True
-                staged = r.staged
-            if placing:
-                self.pool.write(blocks, staged)
+                r = move.room
+                self._dispatch(r, ev.MoveStarted())
+                staged, total = r.staged, r.total_tokens
+            if move.placing:
+                self.pool.write(list(move.blocks), staged)
+                done: ev.Event = ev.Placed(move.blocks)
             else:
-                staged = self._copy_out(blocks, r.total_tokens)
+                done = ev.TakenOut(copy_out(self.pool, move.blocks, total))
             with self._lock:
-                r.moving = False
-                if placing and r.live and r.staged is staged:
-                    r.src_blocks, r.staged = blocks, None
-                    self.staging.release(r.room)
-                    self.stats["placed"] += 1
-                elif placing:  # ended while it was copied in
-                    self.allocator.free(blocks)
-                elif r.live:
-                    self._take_out_of_pool(r, staged)
+                if not move.placing and r.live:
                     self.stats["evicted"] += 1
-                elif r.src_blocks is not None:  # ended while it was copied out: _end left its blocks
-                    self.allocator.free(r.src_blocks)
-                    r.src_blocks = None
-                self._maybe_start(r)
-                self._changed.notify_all()
-
-    def _next_move(self) -> tuple[SenderRoom, list[int], bool] | None:
-        """The next copy: ``(room, blocks, True)`` places a staged room into ``blocks``;
-        ``(room, its blocks, False)`` takes lent blocks back. Rooms a destination asked for come
-        first, in order; rooms nobody asked for yet borrow free blocks (so the copy is done by
-        the time their init comes) and give them back whenever an asked-for room needs them."""
-        if self._paused:
-            return None
-        self._to_place = collections.deque(r for r in self._to_place if r.live and r.staged is not None
-                                           and r.phase != P.SUSPENDED)
-        asked = next((r for r in self._to_place if r.inited), None)
-        if asked is None:
-            head = self._to_place[0] if self._to_place else None
-            blocks = self.allocator.allocate(self.pool.blocks_for(head.total_tokens)) if head else None
-            if blocks is None:
-                return None
-            self._to_place.popleft()
-            return head, blocks, True
-        blocks = self.allocator.allocate(self.pool.blocks_for(asked.total_tokens))
-        if blocks is not None:
-            self._to_place.remove(asked)
-            return asked, blocks, True
-        lent = [r for r in self._rooms.values() if _lent(r)]
-        if lent:  # newest first: the oldest is the likeliest to be asked for soon
-            return lent[-1], lent[-1].src_blocks, False
-        return None  # blocks come back as the asked-for rooms finish
-
-    def _want_blocks(self, r: SenderRoom) -> None:
-        if r.staged is not None and r not in self._to_place:
-            self._to_place.append(r)
-            self._changed.notify_all()
-
-    def _copy_out(self, blocks: list[int], num_tokens: int) -> Embedding:
-        out = Embedding.empty(num_tokens, self.pool.hidden_size, self.pool.dtype)
-        self.pool.read_into(blocks, out, 0, num_tokens)
-        out.aux[:] = self.pool.aux[blocks[0]]
-        return out
-
-    def _take_out_of_pool(self, r: SenderRoom, data: Embedding) -> None:
-        """``data`` (read from the room's blocks) replaces them in host memory (lock held)."""
-        self.allocator.free(r.src_blocks)
-        r.src_blocks, r.staged = None, data
-        self.staging.charge(r.room, _nbytes(data))
-        if r.inited and r.phase != P.SUSPENDED:  # asked for: back into blocks as soon as it can
-            self._want_blocks(r)
-        self._changed.notify_all()
+                self._dispatch(r, done)
 
     # ---- control messages ------------------------------------------------------------------
 
@@ -516,10 +441,8 @@ class EmbeddingSenderManager:
                 self._on_register(msg)
             elif isinstance(msg, PongMsg):
                 self._on_pong(msg)
-            elif isinstance(msg, AbortMsg):
-                self._on_abort(msg)
-            elif isinstance(msg, SuspendMsg):
-                self._on_suspend(msg)
+            elif isinstance(msg, AbortMsg | SuspendMsg):
+                self._on_control(msg)
             else:
                 self._on_round_request(msg)
 
@@ -527,17 +450,13 @@ class EmbeddingSenderManager:
     # message, so these checks hold against peers that do not know a victim's endpoint, and
     # keep honest peers from acting on each other's rooms; the secret is what keeps strangers out.
 
-    def _owns(self, r: SenderRoom, host: str, port: int) -> bool:
-        """``host:port`` is the language endpoint of one of the room's destinations."""
-        return any((d.endpoint, d.port) == (host, port) for d in r.dsts)
-
     def _may_control(self, r: SenderRoom | None, host: str, port: int) -> bool:
         """An abort or suspend from ``host:port`` may act on the room: it comes from the room's
         destination, or, for a room nobody has asked for yet (or one restored from this
         worker's checkpoint, whose destinations are not known), from a registered peer. A
         language worker restarted from its checkpoint listens at its old endpoint again."""
         if r is not None and r.dsts:
-            return self._owns(r, host, port)
+            return r.owned_by(host, port)
         return self.peers.registered_at(host, port)
 
     def _answer_undecodable(self, frames: list[bytes], reason: str) -> None:
@@ -548,14 +467,15 @@ class EmbeddingSenderManager:
         except (ValueError, IndexError, UnicodeDecodeError):
             return
         if 0 <= room < 2**63 and 0 < port < 65536:
-            why = wire_reason(FailureKind.PROTOCOL, f"rejected message: {reason}")
+            status = StatusMsg(room, KVPoll.Failed, 0, wire_reason(FailureKind.PROTOCOL, f"rejected message: {reason}"))
             with self._lock:
                 r = self._rooms.get(room)
-                if r is not None and self._owns(r, host, port):
-                    self._fail(r, FailureKind.PROTOCOL, f"bad message from {host}:{port}: {reason}", notify=False)
-                else:
-                    r = None  # a stranger's answer need not wait for the room's writes
-                self._tell_failed(r, host, port, StatusMsg(room, KVPoll.Failed, 0, why))
+                if r is not None and r.owned_by(host, port):
+                    self._dispatch(r, ev.Fail(FailureKind.PROTOCOL, f"bad message from {host}:{port}: {reason}",
+                                              notify=False))
+                    self._dispatch(r, ev.Refused(host, port, status))
+                else:  # a stranger's answer need not wait for the room's writes
+                    self._push.try_send(host, port, self._status_frames(host, port, status))
 
     def _on_register(self, msg: RegisterMsg) -> None:
         mismatch = ""
@@ -585,47 +505,29 @@ class EmbeddingSenderManager:
                                                              f"where {msg.session_id} answers: dropped")
             for r in list(self._rooms.values()):
                 if any(d.session_id == session for d in r.dsts) and r.phase != P.SUSPENDED:
-                    self._fail(r, FailureKind.PEER_FAILED, f"language peer {name} restarted", notify=False)
+                    self._dispatch(r, ev.Fail(FailureKind.PEER_FAILED, f"language peer {name} restarted",
+                                              notify=False))
         if outcome.confirmed:
             for r in list(self._rooms.values()):
                 if any(d.session_id == msg.session_id for d in r.dsts):
-                    if r.writes and r.writes[0].done:  # landed while its status waited for this pong
-                        self._settle_writes(r)
-                    self._maybe_start(r)
+                    self._dispatch(r, ev.Kick())
 
-    def _on_abort(self, msg: AbortMsg) -> None:
+    def _on_control(self, msg: AbortMsg | SuspendMsg) -> None:
+        """An abort, or a suspend (the language side goes to sleep), from a room's owner."""
         r = self._rooms.get(msg.room)
+        what = "abort" if isinstance(msg, AbortMsg) else "suspend"
         if not self._may_control(r, msg.endpoint, msg.dst_port):
-            self.rejections.reject("not_owner", f"abort of room {msg.room} from {msg.endpoint}:{msg.dst_port}, "
+            self.rejections.reject("not_owner", f"{what} of room {msg.room} from {msg.endpoint}:{msg.dst_port}, "
                                                 "which does not own it")
             return
-        ack = AbortAckMsg(msg.room, msg.generation).encode()
-        if r is None:  # aborted before this worker heard of the room: its encode request will fail
-            r = self._new_room(msg.room)
-        if r.phase == P.DRAINING:
-            r.pending_acks.append(msg)
-        elif not r.live:
-            self._send_ack(msg.endpoint, msg.dst_port, ack)
+        if isinstance(msg, AbortMsg):
+            if r is None:  # aborted before this worker heard of the room: its encode request will fail
+                r = self._new_room(msg.room)
+            self._dispatch(r, ev.Abort(msg))
+        elif r is None:
+            self._send_ack(msg.endpoint, msg.dst_port, SuspendAckMsg(msg.room, msg.generation))
         else:
-            r.pending_acks.append(msg)  # sent when the room ends (nothing in flight then)
-            self._fail(r, FailureKind.ABORTED, f"aborted by language peer {msg.endpoint}:{msg.dst_port}",
-                       notify=False)
-
-    def _on_suspend(self, msg: SuspendMsg) -> None:
-        """The language side goes to sleep: write nothing more for the room, ack once idle."""
-        r = self._rooms.get(msg.room)
-        if r is not None and not self._may_control(r, msg.endpoint, msg.dst_port):
-            self.rejections.reject("not_owner", f"suspend of room {msg.room} from {msg.endpoint}:{msg.dst_port}, "
-                                                "which does not own it")
-            return
-        if r is None or not r.live:
-            self._send_ack(msg.endpoint, msg.dst_port, SuspendAckMsg(msg.room, msg.generation).encode())
-            return
-        r.pending_suspend_acks.append(msg)
-        if not r.in_flight:
-            if r.phase != P.SUSPENDED:
-                r.move(P.SUSPENDED)
-            self._send_suspend_acks(r)
+            self._dispatch(r, ev.Suspend(msg))
 
     def _on_round_request(self, msg: InitMsg | ResumeMsg) -> None:
         """An init or resume. One that cannot be served is answered ``Failed``; it also fails the
@@ -636,20 +538,23 @@ class EmbeddingSenderManager:
         if not reason:
             dst = Destination(msg.endpoint, msg.dst_port, msg.session_id, msg.block_ids, msg.allocated_tokens)
             if isinstance(msg, InitMsg):
-                self._on_init(r if r is not None else self._new_room(msg.room), msg, dst)
+                self._dispatch(r if r is not None else self._new_room(msg.room), ev.Init(dst, msg.required_dst_info_num))
             else:
                 assert r is not None
-                self._on_resume(r, msg, dst)
+                self._dispatch(r, ev.Resume(dst, msg.sent_tokens))
             return
         what = "init" if isinstance(msg, InitMsg) else "resume"
         detail = f"{what} of room {msg.room} from {msg.endpoint}:{msg.dst_port} (session {msg.session_id}): {reason}"
         self.rejections.reject("refused_round" if owner else "unregistered_session" if self.peers.get(
             msg.session_id) is None else "not_owner", detail)
+        status = StatusMsg(msg.room, KVPoll.Failed, 0, wire_reason(kind, reason))
         if owner:
             if r is None:
                 r = self._new_room(msg.room)  # a tombstone: the encode request that comes fails at once
-            self._fail(r, kind, detail, notify=False)
-        self._tell_failed(r if owner else None, msg.endpoint, msg.dst_port, StatusMsg(msg.room, KVPoll.Failed, 0, wire_reason(kind, reason)))
+            self._dispatch(r, ev.Fail(kind, detail, notify=False))
+            self._dispatch(r, ev.Refused(msg.endpoint, msg.dst_port, status))
+        else:
+            self._push.try_send(msg.endpoint, msg.dst_port, self._status_frames(msg.endpoint, msg.dst_port, status))
 
     def _check_round_request(self, r: SenderRoom | None, msg: InitMsg | ResumeMsg) -> tuple[FailureKind, str, bool]:
         """``(kind, why it is refused, whether its sender may fail the room)``; no reason: serve it."""
@@ -664,7 +569,7 @@ class EmbeddingSenderManager:
         if isinstance(msg, InitMsg):
             owner = r is None or not r.dsts
         else:
-            owner = r is not None and (self._owns(r, *peer.address) or (r.phase == P.SUSPENDED and not r.dsts))
+            owner = r is not None and (r.owned_by(*peer.address) or (r.phase == P.SUSPENDED and not r.dsts))
             if r is not None and not owner:  # before any check that would tell a stranger its progress
                 return FailureKind.PROTOCOL, f"resume for room {msg.room} from a peer that did not init it", False
         if peer.mismatch:
@@ -673,147 +578,42 @@ class EmbeddingSenderManager:
             check_blocks(msg.block_ids, msg.allocated_tokens, self.config.block_size, peer.num_blocks)
         except ProtocolError as exc:
             return exc.kind, str(exc), owner
-        reason = self._check_resume(r, msg) if isinstance(msg, ResumeMsg) else ""
-        return FailureKind.PROTOCOL, reason, owner
-
-    def _on_init(self, r: SenderRoom, msg: InitMsg, dst: Destination) -> None:
-        held = r if self._owns(r, msg.endpoint, msg.dst_port) else None  # see _tell_failed
-        if not r.live:  # failed (aborted, refused) or finished: say so, with the reason
-            kind = r.state.kind or FailureKind.CONFLICT
-            why = r.state.reason or f"room {r.room} already finished"
-            self._tell_failed(held, msg.endpoint, msg.dst_port, StatusMsg(r.room, KVPoll.Failed, 0, wire_reason(kind, why)))
-            return
-        if r.phase == P.SUSPENDED and not r.dsts:  # restored from disk, asked for again from token 0
-            r.move(P.BOOTSTRAPPING)
-        if r.phase != P.BOOTSTRAPPING or r.inited:
-            self._tell_failed(held, msg.endpoint, msg.dst_port, StatusMsg(
-                r.room, KVPoll.Failed, 0, wire_reason(FailureKind.CONFLICT, f"room {r.room} already initialised")))
-            return
-        r.required_dsts = msg.required_dst_info_num
-        r.dsts.append(dst)
-        if r.inited:
-            r.state.advance(KVPoll.WaitingForInput)
-            r.move(P.READY if r.has_data else P.AWAITING_DATA)
-            self.staging.promote(r.room)
-            self._maybe_start(r)
-            self._changed.notify_all()  # the placer serves asked-for rooms first
-
-    def _on_resume(self, r: SenderRoom, msg: ResumeMsg, dst: Destination) -> None:
-        if r.phase == P.WRITING:  # early resume: its round starts right away
-            slot = r.dsts[0]
-            slot.block_ids, slot.allocated_tokens, slot.ready = msg.block_ids, msg.allocated_tokens, True
-            self._maybe_start(r)
-            return
-        if r.phase == P.SUSPENDED:  # woken or restarted language side (or encoder): rebind
-            r.dsts, r.required_dsts = [dst], 1
-        else:
-            slot = next(d for d in r.dsts if d.session_id == msg.session_id)
-            slot.block_ids, slot.allocated_tokens, slot.ready = msg.block_ids, msg.allocated_tokens, True
-        if all(d.ready for d in r.dsts):
-            r.state.advance(KVPoll.WaitingForInput, msg.sent_tokens)
-            r.move(P.READY if r.has_data else P.AWAITING_DATA)
-            self._maybe_start(r)
-
-    def _check_resume(self, r: SenderRoom | None, msg: ResumeMsg) -> str:
-        if r is None or not r.live:
-            return f"resume for unknown or finished room {msg.room}"
-        progress = r.state.progress
-        if r.phase == P.SUSPENDED:  # after a sleep: any state, as long as progress agrees
-            if max(len(r.dsts), r.required_dsts) > 1:
-                return (f"room {msg.room} has {max(len(r.dsts), r.required_dsts)} destinations; "
-                        "only one can be resumed after sleep")
-            if msg.sent_tokens != progress.sent_tokens:
-                return f"resume after sleep at sent_tokens {msg.sent_tokens} != {progress.sent_tokens} already sent"
-            return ""
-        if not any(d.session_id == msg.session_id for d in r.dsts):
-            return f"resume for room {msg.room} from session {msg.session_id}, which did not init it"
-        if r.phase == P.WRITING:
-            if len(r.writes) == 1 and len(r.dsts) == 1 and msg.sent_tokens == r.round_end < r.total_tokens:
-                return ""  # early: it continues where the round being written ends
-            return f"resume for room {msg.room} at {msg.sent_tokens} while tokens up to {r.round_end} are being written"
-        if r.phase != P.AWAITING_RESUME:
-            return f"resume for room {msg.room} in state {progress.status.name}"
-        if msg.sent_tokens != progress.sent_tokens:
-            return f"resume sent_tokens {msg.sent_tokens} != {progress.sent_tokens} already sent"
-        return ""
+        if isinstance(msg, ResumeMsg):
+            reason = (f"resume for unknown or finished room {msg.room}" if r is None
+                      else r.resume_refusal(msg.session_id, msg.sent_tokens))
+            return FailureKind.PROTOCOL, reason, owner
+        return FailureKind.PROTOCOL, "", owner
 
     # ---- writes ----------------------------------------------------------------------------
 
     def _run_write(self, job: tuple[SenderRoom, Write]) -> None:
         r, write = job
-        if r.first_write_at is None:
-            r.first_write_at = time.monotonic()
+        answer = self._answers.get(r.room)
+        if answer is not None and answer.first_write_at is None:
+            answer.first_write_at = time.monotonic()
         try:
-            error = "" if r.phase == P.DRAINING else self._write_round(r, write)
+            error = "" if r.phase == P.DRAINING else self._write_round(write)
         except Exception as exc:  # a bug or an engine error fails the room, never this worker
             log.exception("room %d: write failed unexpectedly", r.room)
             error = f"write failed unexpectedly: {type(exc).__name__}: {exc}"
         with self._lock:
-            write.done = True
-            if error:
-                self._fail(r, FailureKind.TRANSFER, error)
-            self._settle_writes(r)
-            self._changed.notify_all()
+            self._dispatch(r, ev.WriteLanded(write, error))
 
-    def _write_round(self, r: SenderRoom, write: Write) -> str:
-        assert r.src_blocks is not None
+    def _write_round(self, write: Write) -> str:
         bs, start = self.config.block_size, write.start
-        first_src = start // bs
         tokens = write.end - start  # the same for every destination: the smallest allocation
         for d in write.dsts:
             peer = self.peers.get(d.session_id)
             if peer is None:
                 return f"language peer session {d.session_id} is gone"
-            plan = plan_round(r.src_blocks[first_src:], list(d.block_ids), tokens, bs, self.pool.base_ptrs,
-                              peer.base_ptrs, self.pool.item_lens, with_aux=start == 0)
+            plan = plan_round(list(write.src_blocks[start // bs:]), list(d.block_ids), tokens, bs,
+                              self.pool.base_ptrs, peer.base_ptrs, self.pool.item_lens, with_aux=start == 0)
             try:
                 self.transport.write(d.session_id, plan.src_addrs, plan.dst_addrs, plan.lengths)
             except TransferError as exc:
                 return f"transfer to language peer {d.endpoint}:{d.port} failed: {exc}"
             self.stats["bytes_sent"] += plan.nbytes
         return ""
-
-    def _settle_writes(self, r: SenderRoom) -> None:
-        """Report finished rounds in token order (a round written beside an earlier one waits for
-        it), then end the room or go on with what comes next. After a stall of this process a
-        round's status also waits for its sessions' pongs: a round that landed after its peer
-        gave up on the room must not be reported as delivered (the abort comes first)."""
-        if not r.live and r.phase != P.DRAINING:
-            return  # ended already (a failed write's _fail settled it)
-        while r.writes and r.writes[0].done:
-            if r.phase != P.DRAINING and not all(self.peers.may_write(d.session_id) for d in r.writes[0].dsts):
-                return  # _on_pong settles it
-            write = r.writes.pop(0)
-            if r.phase == P.DRAINING:
-                continue
-            status = KVPoll.Success if write.end >= r.total_tokens else KVPoll.Transferring
-            r.state.advance(status, write.end)
-            # The resume wait starts before the peer can hear of the round (and answer it).
-            r.deadline = self.clock() + self.config.resume_timeout
-            # The status goes out before any ack _end sends: a peer that sees the ack must
-            # already know how the round ended.
-            for d in write.dsts:
-                self._push.try_send(d.endpoint, d.port, self._status_frames(d.endpoint, d.port,
-                                                                            StatusMsg(r.room, status, write.end)))
-        if r.writes:
-            return
-        if r.phase == P.DRAINING:
-            r.move(P.FAILED)
-            self._end(r)
-        elif r.state.status == KVPoll.Success:
-            r.move(P.DONE)
-            for d in r.dsts:
-                self.failing.succeeded(f"{d.endpoint}:{d.port}")
-            r.delivered.set_result(None)
-            self._end(r)
-        elif r.pending_suspend_acks:
-            r.move(P.SUSPENDED)
-            self._send_suspend_acks(r)
-        elif all(d.ready for d in r.dsts):  # resumed early, but the next round could not start yet
-            r.move(P.READY)
-            self._maybe_start(r)
-        else:
-            r.move(P.AWAITING_RESUME)
 
     # ---- timeouts and liveness -------------------------------------------------------------------
 
@@ -826,7 +626,7 @@ class EmbeddingSenderManager:
                 if self._paused:
                     continue
                 for r in list(self._rooms.values()):
-                    self._check_timeout(r, now)
+                    self._dispatch(r, ev.Tick())
                 if now >= next_beat:
                     next_beat = now + self.config.heartbeat_interval
                     self._beat()
@@ -836,19 +636,7 @@ class EmbeddingSenderManager:
             room, _ = self._ended.popitem(last=False)
             r = self._rooms.get(room)
             if r is not None and not r.live and r.phase != P.DRAINING:
-                del self._rooms[room]
-
-    def _check_timeout(self, r: SenderRoom, now: float) -> None:
-        if r.phase == P.SUSPENDED:
-            if now - r.suspended_at > self.config.max_sleep:
-                self._fail(r, FailureKind.TIMEOUT, f"language peer slept longer than {self.config.max_sleep:g}s")
-        elif now < r.deadline:
-            return
-        elif r.phase == P.AWAITING_RESUME:
-            self._fail(r, FailureKind.TIMEOUT, f"no resume within {self.config.resume_timeout:g}s")
-        elif r.phase in (P.BOOTSTRAPPING, P.AWAITING_DATA):
-            what = "init" if r.phase == P.BOOTSTRAPPING else "encoded data"
-            self._fail(r, FailureKind.TIMEOUT, f"bootstrap, no {what} within {self.config.bootstrap_timeout:g}s")
+                self._drop(room)
 
     def _beat(self) -> None:
         # A session whose rooms are all suspended may be a language worker restarting from its
@@ -861,14 +649,4 @@ class EmbeddingSenderManager:
             self.stats["peer_dead"] += 1
             for r in list(self._rooms.values()):
                 if any(d.session_id == session for d in r.dsts):
-                    self._fail(r, FailureKind.PEER_DEAD, f"language peer {name} is dead: {why}")
-
-
-def _nbytes(emb: Embedding) -> int:
-    return emb.embeddings.nbytes + emb.fill_ids.nbytes + emb.mrope_positions.nbytes
-
-
-def _lent(r: SenderRoom) -> bool:
-    """Blocks held by a room no destination is waiting on: they can be taken back."""
-    return (r.src_blocks is not None and not r.moving and not r.in_flight
-            and r.phase in (P.BOOTSTRAPPING, P.SUSPENDED))
+                    self._dispatch(r, ev.Fail(FailureKind.PEER_DEAD, f"language peer {name} is dead: {why}"))
