@@ -104,7 +104,7 @@ class BootstrapServer:
             site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
             self._loop.run_until_complete(site.start())
             if self.port == 0:
-                self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+                self.port = self._runner.addresses[0][1]
         except OSError as exc:
             self._error = exc
             started.set()

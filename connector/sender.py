@@ -17,8 +17,8 @@ before an event is made; :mod:`connector.language_peers` keeps the registry and 
 
 Locks, in this order only: the manager's ``_lock`` (rooms, peers, staging), then the
 allocator's and a room state's own (leaves; the staging budget has none: it is used under
-``_lock``). The placer copies rows between host memory and blocks outside it; only a sleep's
-``detach_pool`` copies under it.
+``_lock``). Rows are copied between host memory and blocks outside it (the placer, a sleep's
+``detach_pool``); the room is marked moving meanwhile, so its blocks stay until the copy ends.
 """
 
 from __future__ import annotations
@@ -237,11 +237,17 @@ class EmbeddingSenderManager:
 
     def detach_pool(self) -> int:
         """Copy every room's source data to host memory, free the blocks, deregister the pool.
-        Call after :meth:`pause`. Returns the bytes kept in host memory."""
+        Call after :meth:`pause`. Returns the bytes kept in host memory. The copies run outside
+        the lock, as the placer's do (a room that ends meanwhile leaves its blocks to its copy)."""
         with self._lock:
-            for r in list(self._rooms.values()):
-                if r.src_blocks is not None:
-                    self._dispatch(r, ev.TakenOut(copy_out(self.pool, r.src_blocks, r.total_tokens)))
+            moves = [(r, r.src_blocks, r.total_tokens) for r in self._rooms.values()
+                     if r.src_blocks is not None and not r.moving]
+            for r, _, _ in moves:
+                self._dispatch(r, ev.MoveStarted())
+        copies = [copy_out(self.pool, blocks, num_tokens) for _, blocks, num_tokens in moves]
+        with self._lock:
+            for (r, _, _), data in zip(moves, copies, strict=True):
+                self._dispatch(r, ev.TakenOut(data))
             self.transport.unregister([b.ctypes.data for b in self.pool.buffers])
             return sum(embedding_nbytes(r.staged) for r in self._rooms.values() if r.live and r.staged is not None)
 

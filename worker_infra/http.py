@@ -234,7 +234,7 @@ def serve(app: web.Application, host: str, port: int, banner: Callable[[int], No
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
-        banner(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        banner(runner.addresses[0][1])
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
