@@ -1,67 +1,147 @@
-"""Connector settings: defaults, the reference design's environment names, validation."""
+"""Connector settings: one table of every setting, how it is given, and its validation.
+
+Each setting is a field of :class:`ConnectorConfig`, declared once with :func:`setting`: its
+name, type and default (the field), its environment variable (the reference design's names),
+its command-line flag and its help. Everything else derives from that declaration
+(:data:`SETTINGS`): :meth:`ConnectorConfig.from_env`, the flags and ``--help`` of our launcher
+(``sglang_ext.args``) and how the SGLang plugin reads the values SGLang parsed itself.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from connector.buffers import DTYPE_SIZES, BufferPool
 
-# field name -> environment variable read by ConnectorConfig.from_env
-ENV_NAMES = {
-    "block_size": "SGLANG_MULTIMODAL_BLOCK_SIZE",
-    "num_blocks": "SGLANG_EMBEDDING_CACHE_BUFFER_SIZE",
-    "default_allocate_tokens": "SGLANG_EMBEDDING_DEFAULT_ALLOCATE_BUFFER_SIZE",
-    "bootstrap_timeout": "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
-    "waiting_timeout": "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
-    "resume_timeout": "SGLANG_EMBEDDING_RESUME_TIMEOUT",
-    "heartbeat_interval": "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL",
-    "heartbeat_max_failures": "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
-    "abort_ack_timeout": "SGLANG_EMBEDDING_ABORT_ACK_TIMEOUT",
-    "transfer_workers": "SGLANG_EMBEDDING_TRANSFER_WORKERS",
-    "max_sleep": "SGLANG_EMBEDDING_MAX_SLEEP",
-    "staging_bytes": "SGLANG_EMBEDDING_STAGING_BYTES",
-    "max_queued_requests": "SGLANG_EMBEDDING_MAX_QUEUED_REQUESTS",
-    "queue_timeout": "SGLANG_EMBEDDING_QUEUE_TIMEOUT",
-    "fork_abort_hold": "SGLANG_EMBEDDING_FORK_ABORT_HOLD",
-    "control_secret": "SGLANG_EMBEDDING_CONTROL_SECRET",
-}
 MIN_SECRET_CHARS = 16
+TYPES = {"int": int, "float": float, "str": str}  # field annotations are strings (postponed)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one :class:`ConnectorConfig` field is given (a row of :data:`SETTINGS`)."""
+
+    name: str  # the ConnectorConfig field
+    type: type  # int, float or str: the field's annotation
+    default: Any  # the field's default
+    env: str | None  # the environment variable from_env reads, None: none
+    flag: str | None  # the command-line flag, None: the environment variable only
+    help: str  # what --help says, before ", env VAR (default ...)"
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    # What --help shows as the default, from the configuration in effect (defaults, then the
+    # environment); None: the value itself.
+    shown: Callable[[ConnectorConfig], str] | None = None
+    # SGLang's own parser defines this flag too: under SGLang's launchers the plugin takes SGLang's
+    # parsed value, or, when SGLang leaves it unset, the environment's (then the default).
+    sglang: bool = False
+
+    @property
+    def dest(self) -> str:
+        """The attribute argparse gives the flag's value."""
+        assert self.flag is not None, f"{self.name} has no flag"
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    def parse(self, text: str) -> Any:
+        """The value of the environment variable's ``text`` (ValueError naming the variable)."""
+        try:
+            return self.type(text)
+        except ValueError:
+            raise ValueError(f"{self.env}={text!r} is not a valid {self.type.__name__}") from None
+
+
+def setting(default: Any, *, help: str, env: str | None = None, flag: str | None = None, metavar: str | None = None,
+            choices: tuple[str, ...] | None = None, shown: Callable[[ConnectorConfig], str] | None = None,
+            sglang: bool = False, repr: bool = True) -> Any:
+    """A :class:`ConnectorConfig` field declared with how it is given (see :class:`Setting`)."""
+    return field(default=default, repr=repr, metadata={"setting": dict(
+        env=env, flag=flag, help=help, metavar=metavar, choices=choices, shown=shown, sglang=sglang)})
 
 
 @dataclass
 class ConnectorConfig:
-    host: str = "127.0.0.1"
-    hidden_size: int = 3584
+    """Every connector setting; a field declared with :func:`setting` is a row of :data:`SETTINGS`.
+    Every number must be positive."""
+
+    host: str = setting("127.0.0.1", flag="--host", sglang=True, help="interface every server binds")
+    hidden_size: int = 3584  # the embedding width: --hidden-size or the model's config (sglang_ext.args)
     dtype: str = "bfloat16"
-    block_size: int = 128  # tokens per block
-    num_blocks: int = 512  # blocks per pool (512 x 128 tokens x 3584 bf16 = 449 MiB)
-    default_allocate_tokens: int = 8192  # what the language side allocates before it knows the size
-    protocol: str = "tcp"  # Mooncake transport: tcp or rdma
-    ib_device: str = ""
+    block_size: int = setting(
+        128, flag="--multimodal-block-size", env="SGLANG_MULTIMODAL_BLOCK_SIZE", metavar="TOKENS",
+        help="tokens per block")
+    # 512 x 128 tokens x 3584 bf16 = 449 MiB
+    num_blocks: int = setting(
+        512, flag="--embedding-cache-buffer-size", env="SGLANG_EMBEDDING_CACHE_BUFFER_SIZE", metavar="BLOCKS",
+        help="blocks per pool",
+        shown=lambda c: f"{c.num_blocks} = {c.pool_bytes / 2**20:.0f} MiB at hidden {c.hidden_size} {c.dtype}")
+    default_allocate_tokens: int = setting(
+        8192, flag="--embedding-default-allocate-buffer-size", env="SGLANG_EMBEDDING_DEFAULT_ALLOCATE_BUFFER_SIZE",
+        metavar="TOKENS", help="language side: tokens allocated before the size is known")
+    protocol: str = setting(
+        "tcp", flag="--mooncake-protocol", env="MOONCAKE_PROTOCOL", choices=("tcp", "rdma"),
+        help="Mooncake transport")
+    ib_device: str = setting(
+        "", flag="--disaggregation-ib-device", sglang=True, shown=lambda c: c.ib_device or "none",
+        help="RDMA device for Mooncake (with --mooncake-protocol rdma)")
     completion: str = "poll"  # Mooncake completion strategy, see connector.mooncake_transport
-    bootstrap_timeout: float = 300.0  # encode side: waiting for the init of a room
-    waiting_timeout: float = 300.0  # language side: no status for a room after init/resume
-    resume_timeout: float = 300.0  # encode side: a partial room waiting for its resume
-    heartbeat_interval: float = 5.0
-    heartbeat_max_failures: int = 2
+    bootstrap_timeout: float = setting(
+        300.0, flag="--bootstrap-timeout", env="SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", metavar="SECONDS",
+        help="encode side: how long a room waits for its language peer's init")
+    waiting_timeout: float = setting(
+        300.0, flag="--waiting-timeout", env="SGLANG_DISAGGREGATION_WAITING_TIMEOUT", metavar="SECONDS",
+        help="language side: how long a room waits without progress from its encoder (after its init or resume)")
+    resume_timeout: float = setting(
+        300.0, flag="--resume-timeout", env="SGLANG_EMBEDDING_RESUME_TIMEOUT", metavar="SECONDS",
+        help="encode side: how long a partly sent room waits for its resume")
+    heartbeat_interval: float = setting(
+        5.0, flag="--heartbeat-interval", env="SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", metavar="SECONDS",
+        help="between heartbeats (language side) or pings (encode side) to a peer")
+    heartbeat_max_failures: int = setting(
+        2, flag="--heartbeat-max-failure", env="SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
+        help="heartbeats (language side) or pings (encode side) missed in a row before a peer is dead")
     # Then the peer is declared dead for the room and its blocks freed. Longer than an encoder's
     # longest write (MC_TRANSFER_TIMEOUT 10 s + its size at 0.5 GB/s), so no late byte lands.
-    abort_ack_timeout: float = 15.0
-    transfer_workers: int = 2
-    max_sleep: float = 3600.0  # a sleeping peer's rooms are kept this long, then fail
+    abort_ack_timeout: float = setting(
+        15.0, flag="--abort-ack-timeout", env="SGLANG_EMBEDDING_ABORT_ACK_TIMEOUT", metavar="SECONDS",
+        help="language side: an aborted or suspended room keeps its blocks until its encoder acknowledges, or this "
+             "long; then that encoder counts as dead for the room and the blocks are freed")
+    transfer_workers: int = setting(
+        2, env="SGLANG_EMBEDDING_TRANSFER_WORKERS", help="encode side: threads writing embeddings to peers")
+    max_sleep: float = setting(
+        3600.0, flag="--max-sleep", env="SGLANG_EMBEDDING_MAX_SLEEP", metavar="SECONDS",
+        help="a sleeping peer's rooms are kept this long")
     # Flow control (docs/flow_control.md). Encode side: host memory for embeddings that no
     # language peer has asked for yet; both sides: requests waiting in a queue, and how long.
-    staging_bytes: int = 4 << 30
-    max_queued_requests: int = 256
-    queue_timeout: float = 60.0
+    staging_bytes: int = setting(
+        4 << 30, flag="--staging-bytes", env="SGLANG_EMBEDDING_STAGING_BYTES", metavar="BYTES",
+        help="encode side: host memory for embeddings no language worker has asked for yet; more wait (up to "
+             "--queue-timeout) in arrival order",
+        shown=lambda c: f"{c.staging_bytes} = {c.staging_bytes / 2**30:g} GiB")
+    max_queued_requests: int = setting(
+        256, flag="--max-queued-requests", env="SGLANG_EMBEDDING_MAX_QUEUED_REQUESTS", metavar="N", sglang=True,
+        help="requests waiting for blocks (language side) or for memory and the encoder (encode side); more get "
+             "503 with Retry-After at once")
+    queue_timeout: float = setting(
+        60.0, flag="--queue-timeout", env="SGLANG_EMBEDDING_QUEUE_TIMEOUT", metavar="SECONDS",
+        help="longest wait in those queues, then 503 with Retry-After")
     # Language side: an aborted room of an encoder built from the reference fork, which cannot
     # be told to stop, keeps its blocks until that encoder's status for the round comes (after
     # it nothing more is written) or this long: the fork's own bootstrap timeout bounds how
     # long its encode request, the only thing that writes, can live.
-    fork_abort_hold: float = 300.0
+    fork_abort_hold: float = setting(
+        300.0, flag="--fork-abort-hold", env="SGLANG_EMBEDDING_FORK_ABORT_HOLD", metavar="SECONDS",
+        help="language side: an aborted room of an encoder built from the reference fork (which cannot be told to "
+             "stop) keeps its blocks until that encoder reports the round it owes, or this long")
     # Shared secret for control messages and bootstrap routes (connector.auth); "" = off.
-    control_secret: str = field(default="", repr=False)
+    control_secret: str = setting(
+        "", flag="--control-secret", env="SGLANG_EMBEDDING_CONTROL_SECRET", metavar="SECRET", repr=False,
+        shown=lambda c: "set by the environment" if c.control_secret else "off",
+        help=f"shared secret both workers require on control messages and bootstrap routes (at least "
+             f"{MIN_SECRET_CHARS} characters; peers built from the reference fork cannot use it); prefer the "
+             f"environment variable: a flag shows in the process list")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -69,14 +149,12 @@ class ConnectorConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
-        for name in ("hidden_size", "block_size", "num_blocks", "default_allocate_tokens",
-                     "heartbeat_max_failures", "transfer_workers", "staging_bytes", "max_queued_requests"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("bootstrap_timeout", "waiting_timeout", "resume_timeout", "heartbeat_interval",
-                     "abort_ack_timeout", "max_sleep", "queue_timeout", "fork_abort_hold"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if TYPES.get(str(f.type)) is int and value <= 0:
+                raise ValueError(f"{f.name} must be positive, got {value}")
+            if TYPES.get(str(f.type)) is float and value <= 0:
+                raise ValueError(f"{f.name} must be a positive number of seconds, got {value}")
         secret = self.control_secret
         if secret and (len(secret) < MIN_SECRET_CHARS or not secret.isascii() or not secret.isprintable()
                        or " " in secret):
@@ -104,16 +182,17 @@ class ConnectorConfig:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> ConnectorConfig:
-        """Defaults, then the environment names in ``ENV_NAMES``, then ``overrides``."""
+        """Defaults, then the environment variables of :data:`SETTINGS`, then ``overrides`` (None
+        in ``overrides``: not given)."""
         env = os.environ if environ is None else environ
-        types = {f.name: str(f.type) for f in fields(cls)}
-        values: dict[str, object] = {}
-        for name, var in ENV_NAMES.items():
-            if var in env:
-                cast = {"int": int, "float": float, "str": str}[types[name]]  # annotations are strings
-                try:
-                    values[name] = cast(env[var])
-                except ValueError:
-                    raise ValueError(f"{var}={env[var]!r} is not a valid {cast.__name__}") from None
+        values: dict[str, object] = {s.name: s.parse(env[s.env]) for s in SETTINGS if s.env and s.env in env}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+# The table: every field declared with setting(), in declaration order.
+SETTINGS: tuple[Setting, ...] = tuple(
+    Setting(f.name, TYPES[str(f.type)], f.default, **f.metadata["setting"])
+    for f in fields(ConnectorConfig) if "setting" in f.metadata)
+# field name -> environment variable read by ConnectorConfig.from_env
+ENV_NAMES = {s.name: s.env for s in SETTINGS if s.env}

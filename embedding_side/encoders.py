@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -40,6 +41,11 @@ class VisionEncoder(Protocol):
 
     def fingerprint(self) -> str: ...
 
+    def resize(self, height: int, width: int) -> tuple[int, int]:
+        """The (height, width) this encoder's preprocessing resizes an image to (ValueError for a
+        shape it refuses): what the image's token count and memory are known from before it is
+        encoded."""
+
     def offload(self, level: int) -> None:
         """Sleep: level 1 keeps the weights in host memory, level 2 drops them."""
 
@@ -52,10 +58,24 @@ def settings_fingerprint(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def smart_resize(height: int, width: int, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
-    """Qwen's resize rule: both sides multiples of 28, area within [min_pixels, max_pixels]."""
+# (height, width) -> the resized (height, width): an encoder's ``resize``
+Resize = Callable[[int, int], tuple[int, int]]
+
+
+def check_shape(height: int, width: int) -> None:
+    """Refuse a shape Qwen's preprocessing cannot resize, with the message a client gets."""
     if min(height, width) <= 0 or max(height, width) / min(height, width) > 200:
         raise ValueError(f"image {width}x{height}: aspect ratio must be at most 200")
+
+
+def smart_resize(height: int, width: int, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    """Qwen's resize rule: both sides multiples of 28, area within [min_pixels, max_pixels].
+
+    The real encoder uses transformers' own (``QwenVisionEncoder.resize``); this copy, equal to it
+    (tests/test_image_geometry.py compares them over a grid of sizes), is what the fake encoder
+    and the defaults below use: importing transformers' costs a process 3 to 7 s (torch and
+    torchvision come with it), and the fake encoder's worker processes import no torch at all."""
+    check_shape(height, width)
     h, w = round(height / FACTOR) * FACTOR, round(width / FACTOR) * FACTOR
     if h * w > max_pixels:
         scale = math.sqrt(height * width / max_pixels)
@@ -67,23 +87,24 @@ def smart_resize(height: int, width: int, min_pixels: int = MIN_PIXELS, max_pixe
     return h, w
 
 
-def decode_bytes(image: Image.Image) -> int:
+def decode_bytes(image: Image.Image, resize: Resize = smart_resize) -> int:
     """Host memory that decoding and preprocessing one image takes at its peak, estimated from
     its header: the decoded pixels and a converted copy (Pillow keeps 4 bytes a pixel), then
     float32 copies, the patches (repeated twice in time) and the tower's input and activations
     per pixel of the resized image (68 bytes measured for a 4K frame with the built-in tower)."""
-    h, w = smart_resize(image.height, image.width)
+    h, w = resize(image.height, image.width)
     return 8 * image.width * image.height + 72 * h * w
 
 
-def grid_for(image: Image.Image) -> tuple[int, int, int]:
-    h, w = smart_resize(image.height, image.width)
+def grid_for(image: Image.Image, resize: Resize = smart_resize) -> tuple[int, int, int]:
+    """The image's ``(t, h, w)`` patch grid, before the 2x2 merge."""
+    h, w = resize(image.height, image.width)
     return 1, h // PATCH, w // PATCH
 
 
-def tokens_for(image: Image.Image) -> int:
+def tokens_for(image: Image.Image, resize: Resize = smart_resize) -> int:
     """Embedding tokens of one image, known before it is encoded (ValueError for a refused shape)."""
-    t, h, w = grid_for(image)
+    t, h, w = grid_for(image, resize)
     return t * h * w // (MERGE * MERGE)
 
 
@@ -111,6 +132,9 @@ class FakeEncoder:
         return settings_fingerprint({"encoder": self.name, "hidden": self.hidden_size, "seed": self.seed,
                                      "grid": [PATCH, MERGE, TEMPORAL, MIN_PIXELS, MAX_PIXELS]})
 
+    def resize(self, height: int, width: int) -> tuple[int, int]:
+        return smart_resize(height, width)
+
     def offload(self, level: int) -> None:
         pass  # no weights beyond the fixed projection
 
@@ -120,7 +144,7 @@ class FakeEncoder:
     def encode(self, images: list[Image.Image]) -> EncodedImages:
         grids, parts = [], []
         for image in images:
-            grid = grid_for(image)
+            grid = grid_for(image, self.resize)
             gh, gw = grid[1] // MERGE, grid[2] // MERGE
             cells = np.asarray(image.resize((gw, gh), Image.Resampling.BOX), np.float32).reshape(-1, 3) / 255.0
             ys, xs = np.divmod(np.arange(gh * gw, dtype=np.float32), gw)
@@ -151,9 +175,9 @@ class QwenVisionEncoder:
         import torch
         from transformers import Qwen2_5_VLVisionConfig
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
-        self._torch = torch
+        self._torch, self._smart_resize = torch, smart_resize
         self.device, self.model_path, self.seed = device, model_path, seed
         self._config_cls, self._model_cls = Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel
         self.processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
@@ -200,6 +224,14 @@ class QwenVisionEncoder:
                 (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.glob("*.safetensors"))]
         return settings_fingerprint({"encoder": self.name, "model": model, "processor": [
             MIN_PIXELS, MAX_PIXELS, PATCH, MERGE, TEMPORAL]})
+
+    def resize(self, height: int, width: int) -> tuple[int, int]:
+        """transformers' ``smart_resize`` with its image processor's settings: what ``encode``'s
+        preprocessing does to the image (our message for a refused shape)."""
+        check_shape(height, width)
+        p = self.processor
+        return self._smart_resize(height, width, factor=p.patch_size * p.merge_size,
+                                  min_pixels=p.size["shortest_edge"], max_pixels=p.size["longest_edge"])
 
     def offload(self, level: int) -> None:
         if level == 1:

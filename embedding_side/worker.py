@@ -199,8 +199,8 @@ class EncodeWorker:
         except ImageInputError as exc:
             raise TransferFailure(FailureKind.BAD_REQUEST, str(exc)) from None
         try:
-            tokens = sum(tokens_for(image) for image in images)
-            decode_need = sum(decode_bytes(image) for image in images)
+            tokens = sum(tokens_for(image, self.encoder.resize) for image in images)
+            decode_need = sum(decode_bytes(image, self.encoder.resize) for image in images)
         except ValueError as exc:  # e.g. an aspect ratio Qwen refuses
             raise TransferFailure(FailureKind.BAD_REQUEST, f"cannot encode: {exc}") from None
         if self.sender.blocks_for(tokens) > self.config.num_blocks:

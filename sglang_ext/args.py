@@ -1,7 +1,8 @@
 """Command-line flags of both workers: SGLang's names for shared things, ours for the rest.
 
-Every connector setting defaults to its environment variable (``connector.config.ENV_NAMES``)
-and then to the built-in default; ``--help`` shows the value in effect.
+The connector's settings come from one table, ``connector.config.SETTINGS`` (each with its flag,
+type, default, environment variable and help): every one defaults to its environment variable
+and then to the built-in default, and ``--help`` shows the value in effect and the variable.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from connector.buffers import BufferPool
-from connector.config import ENV_NAMES, ConnectorConfig
+from connector.config import SETTINGS, ConnectorConfig, Setting
 from embedding_side.images import DEFAULT_DECODE_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_TIMEOUT_S
 
 MODES = ("encode", "language")
@@ -41,7 +41,29 @@ class SharedFlag:
         return self.flag.removeprefix("--").replace("-", "_")
 
 
-def _shared_flags(d: ConnectorConfig) -> tuple[SharedFlag, ...]:
+def setting_kwargs(s: Setting, d: ConnectorConfig) -> dict:
+    """``add_argument``'s keywords for a row of the settings table: its default is the value in
+    effect in ``d`` (``ConnectorConfig.from_env()``: the environment, then the default)."""
+    shown = "%(default)s" if s.shown is None else s.shown(d).replace("%", "%%")
+    env = f", env {s.env}" if s.env else ""
+    kwargs: dict[str, Any] = dict(type=s.type, default=getattr(d, s.name), help=f"{s.help}{env} (default {shown})")
+    if s.metavar:
+        kwargs["metavar"] = s.metavar
+    if s.choices:
+        kwargs["choices"] = list(s.choices)
+    return kwargs
+
+
+def _or_in_effect(s: Setting, d: ConnectorConfig) -> Callable[[Any], Any]:
+    """SGLang's value of a setting's flag, or, where SGLang left it unset, the value in effect."""
+    return lambda value: value or getattr(d, s.name)
+
+
+def shared_flags(d: ConnectorConfig | None = None) -> tuple[SharedFlag, ...]:
+    """The flags SGLang defines too, each once: our launcher's definitions and how the plugin
+    reads SGLang's values for them. The connector's come from its settings table (``sglang=True``),
+    with their values in effect in ``d`` (default: ``ConnectorConfig.from_env()``)."""
+    d = ConnectorConfig.from_env() if d is None else d
     return (
         SharedFlag("--disaggregation-mode", dict(
             choices=MODES, default=None, help="encode: vision encoder + bootstrap server; language: receives "
@@ -54,7 +76,6 @@ def _shared_flags(d: ConnectorConfig) -> tuple[SharedFlag, ...]:
             "worker sends the images of a request to itself (image_data in /generate, image_url parts in "
             "/v1/chat/completions), split by load, a failed part sent again to another encoder"),
             lambda urls: urls or None),
-        SharedFlag("--host", dict(default="127.0.0.1", help="interface every server binds (default %(default)s)")),
         SharedFlag("--port", dict(type=int, default=30000, help="HTTP port (default %(default)s)")),
         SharedFlag("--model-path", dict(default=None, help="Qwen2.5-VL checkpoint folder (config.json + safetensors); "
                                         "encode side loads its vision tower. Default: a built-in seeded small tower "
@@ -63,16 +84,10 @@ def _shared_flags(d: ConnectorConfig) -> tuple[SharedFlag, ...]:
             type=int, default=8998, help="encode side: port of the bootstrap server (default %(default)s)")),
         SharedFlag("--disaggregation-transfer-backend", dict(
             default="mooncake", choices=["mooncake"], help="transfer backend (default %(default)s)"), None),
-        SharedFlag("--disaggregation-ib-device", dict(default="", help="RDMA device for Mooncake (with "
-                                                      "--mooncake-protocol rdma)"), lambda device: device or ""),
         SharedFlag("--tp-size", dict(type=int, default=1, help="tensor parallel size (only 1 is supported)")),
         SharedFlag("--log-level", dict(default="info", choices=["debug", "info", "warning", "error"])),
         SharedFlag("--admin-api-key", dict(default=None, metavar="KEY", help="/sleep and /wake_up need "
                                            "'Authorization: Bearer KEY' (SGLang's flag; default: open)")),
-        SharedFlag("--max-queued-requests", dict(
-            type=int, default=d.max_queued_requests, metavar="N", help=f"requests waiting for blocks (language "
-            f"side) or for memory and the encoder (encode side); more get 503 with Retry-After at once, env "
-            f"{ENV_NAMES['max_queued_requests']} (default %(default)s)"), lambda n: n or d.max_queued_requests),
         SharedFlag("--allowed-media-domains", dict(
             nargs="+", metavar="HOST", help="encode side: http(s) images only from these host names (then no "
             "address check)"), lambda hosts: hosts or None),
@@ -80,22 +95,16 @@ def _shared_flags(d: ConnectorConfig) -> tuple[SharedFlag, ...]:
         SharedFlag("--max-total-tokens", dict(
             type=int, default=None, metavar="TOKENS", help=f"language side: KV cache budget in tokens ({KV_HELP}); "
             f"requests beyond it wait (default {DEFAULT_KV_TOKENS})")),
+        *(SharedFlag(s.flag, setting_kwargs(s, d), _or_in_effect(s, d)) for s in SETTINGS if s.sglang and s.flag),
     )
-
-
-def shared_flags() -> tuple[SharedFlag, ...]:
-    """The flags SGLang defines too, each once: our launcher's definitions and how the plugin
-    reads SGLang's values for them."""
-    return _shared_flags(ConnectorConfig.from_env())
 
 
 def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -> None:
     """Add our flags; ``with_shared=False`` leaves out the ones SGLang already defines."""
     d = ConnectorConfig.from_env()
     if with_shared:
-        for shared in _shared_flags(d):
+        for shared in shared_flags(d):
             parser.add_argument(shared.flag, **shared.kwargs)
-    pool_bytes = BufferPool.bytes_for(d.num_blocks, d.block_size, d.hidden_size, d.dtype)
     e = parser.add_argument_group("language model (language side)")
     e.add_argument("--language-backend", choices=LANGUAGE_BACKENDS, default=None,
                    help="what generates: sglang = SGLang's own server (scheduler, paged KV, radix cache, chunked "
@@ -122,50 +131,20 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
     g.add_argument("--hidden-size", type=int, default=None,
                    help=f"embedding width: the language model's hidden size, read from --model-path's config.json "
                         f"(else {d.hidden_size}); give it only to override")
-    g.add_argument("--embedding-cache-buffer-size", type=int, default=d.num_blocks, metavar="BLOCKS",
-                   help=f"blocks per pool, env {ENV_NAMES['num_blocks']} (default %(default)s = "
-                        f"{pool_bytes / 2**20:.0f} MiB at hidden {d.hidden_size} {d.dtype})")
-    g.add_argument("--multimodal-block-size", type=int, default=d.block_size, metavar="TOKENS",
-                   help=f"tokens per block, env {ENV_NAMES['block_size']} (default %(default)s)")
-    g.add_argument("--embedding-default-allocate-buffer-size", type=int, default=d.default_allocate_tokens,
-                   metavar="TOKENS", help=f"language side: tokens allocated before the size is known, env "
-                                          f"{ENV_NAMES['default_allocate_tokens']} (default %(default)s)")
-    g.add_argument("--mooncake-protocol", default=os.environ.get("MOONCAKE_PROTOCOL", "tcp"), choices=["tcp", "rdma"],
-                   help="Mooncake transport, env MOONCAKE_PROTOCOL (default %(default)s)")
-    for name, flag in (("bootstrap_timeout", "--bootstrap-timeout"), ("waiting_timeout", "--waiting-timeout"),
-                       ("resume_timeout", "--resume-timeout"), ("heartbeat_interval", "--heartbeat-interval"),
-                       ("abort_ack_timeout", "--abort-ack-timeout")):
-        g.add_argument(flag, type=float, default=getattr(d, name), metavar="SECONDS",
-                       help=f"env {ENV_NAMES[name]} (default %(default)s)")
-    g.add_argument("--heartbeat-max-failure", type=int, default=d.heartbeat_max_failures,
-                   help=f"heartbeats (language side) or pings (encode side) missed in a row before a peer is "
-                        f"dead, env {ENV_NAMES['heartbeat_max_failures']} (default %(default)s)")
-    g.add_argument("--staging-bytes", type=int, default=d.staging_bytes, metavar="BYTES",
-                   help=f"encode side: host memory for embeddings no language worker has asked for yet; more "
-                        f"wait (up to --queue-timeout) in arrival order, env {ENV_NAMES['staging_bytes']} "
-                        f"(default %(default)s = {d.staging_bytes / 2**30:g} GiB)")
-    g.add_argument("--queue-timeout", type=float, default=d.queue_timeout, metavar="SECONDS",
-                   help=f"longest wait in those queues, then 503 with Retry-After, env "
-                        f"{ENV_NAMES['queue_timeout']} (default %(default)s)")
-    g.add_argument("--fork-abort-hold", type=float, default=d.fork_abort_hold, metavar="SECONDS",
-                   help=f"language side: an aborted room of an encoder built from the reference fork (which cannot be "
-                        f"told to stop) keeps its blocks until that encoder reports the round it owes, or this long, "
-                        f"env {ENV_NAMES['fork_abort_hold']} (default %(default)s)")
+    for s in SETTINGS:  # the connector's settings table, less the flags SGLang defines too
+        if s.flag and not s.sglang:
+            g.add_argument(s.flag, **setting_kwargs(s, d))
     g.add_argument("--allowed-bootstrap-hosts", nargs="+", default=[], metavar="HOST[:PORT]",
                    help="language side: the encoders a /generate may name by bootstrap_host/bootstrap_port (the "
                         "two-request flow), beside the hosts of --encoder-urls; any other gets 403 before it is "
                         "contacted (default: only the hosts of --encoder-urls)")
-    g.add_argument("--control-secret", default=d.control_secret, metavar="SECRET",
-                   help=f"shared secret both workers require on control messages and bootstrap routes (at least "
-                        f"16 characters; peers built from the reference fork cannot use it). Prefer the env "
-                        f"{ENV_NAMES['control_secret']}: a flag shows in the process list (default: off)")
-    g.add_argument("--max-sleep", type=float, default=d.max_sleep, metavar="SECONDS",
-                   help=f"a sleeping peer's rooms are kept this long, env {ENV_NAMES['max_sleep']} (default %(default)s)")
     g.add_argument("--checkpoint-dir", default=None,
                    help="also write sleep checkpoints here (safetensors + JSON + checksum); a worker started with a "
                         "checkpoint in it boots asleep and continues the requests on /wake_up")
     g.add_argument("--queue-while-sleeping", action="store_true",
                    help="requests that arrive while asleep wait for the wake-up instead of getting 503")
+    env_only = [f"{s.env}: {s.help} (default {getattr(d, s.name)})" for s in SETTINGS if s.env and not s.flag]
+    parser.add_argument_group("connector settings given by environment variable only", "; ".join(env_only))
     m = parser.add_argument_group("media access (encode side; what a request may name)")
     m.add_argument("--allowed-local-media-path", action="append", metavar="DIR",
                    help="local paths and file:// URIs are read only inside this directory (symlinks followed; "
@@ -217,14 +196,9 @@ def embedding_width(args: argparse.Namespace) -> int:
 
 
 def connector_config(args: argparse.Namespace) -> ConnectorConfig:
+    """The connector's configuration: each setting of the table from its flag's value in ``args``
+    (a setting with no flag from its environment variable), the width from :func:`embedding_width`."""
     if args.tp_size != 1:
         raise SystemExit(f"--tp-size {args.tp_size}: only 1 is supported by the encode/language workers")
-    return ConnectorConfig(
-        host=args.host, hidden_size=embedding_width(args), block_size=args.multimodal_block_size,
-        num_blocks=args.embedding_cache_buffer_size, default_allocate_tokens=args.embedding_default_allocate_buffer_size,
-        protocol=args.mooncake_protocol, ib_device=args.disaggregation_ib_device or "",
-        bootstrap_timeout=args.bootstrap_timeout, waiting_timeout=args.waiting_timeout,
-        resume_timeout=args.resume_timeout, heartbeat_interval=args.heartbeat_interval,
-        heartbeat_max_failures=args.heartbeat_max_failure, abort_ack_timeout=args.abort_ack_timeout,
-        max_sleep=args.max_sleep, staging_bytes=args.staging_bytes, max_queued_requests=args.max_queued_requests,
-        queue_timeout=args.queue_timeout, fork_abort_hold=args.fork_abort_hold, control_secret=args.control_secret)
+    return ConnectorConfig.from_env(hidden_size=embedding_width(args),
+                                    **{s.name: getattr(args, s.dest) for s in SETTINGS if s.flag})
