@@ -57,6 +57,7 @@ from connector.receiver_rooms import (
     Tick,
     Warn,
 )
+from connector.transitions import checked_move
 
 pytestmark = pytest.mark.fast
 
@@ -336,12 +337,28 @@ def test_a_send_that_fails_closes_the_room_unless_it_waits_for_an_ack() -> None:
     assert aborting.on(SendFailed()) == [] and aborting.phase == P.ABORTING
 
 
+@pytest.mark.parametrize("event", [status(KVPoll.Success, 8, aux_total=8), status(KVPoll.Failed), AbortAck(True),
+                                   AbortAck(False), SuspendAck(True, 1.0), SuspendAck(False, 1.0),
+                                   Abort(FailureKind.CANCELLED, "x", 1.0), Suspend(), SendFailed(), PeerGone(),
+                                   PeerDead("x", True, 1.0), PeerDead("x", False, 1.0), PeerWoke(1.0),
+                                   Rebound(True, "p", 1.0), tick(1e6), tick(1e6, asleep_since=0.0), Spill(), Clone()],
+                         ids=lambda e: type(e).__name__)
+def test_a_closed_room_sends_frees_and_counts_nothing(event) -> None:
+    room = new_room()
+    room.on(Init((0, 1)))
+    room.on(status(KVPoll.Failed))
+    assert room.phase == P.CLOSED
+    assert room.on(event) == [] and room.phase == P.CLOSED
+    for call in (Assemble(), Checkpoint(), Resumed((2,), 1.0), Restore(None, None, 0, 0)):
+        with pytest.raises((RuntimeError, ValueError, TransferFailure)):
+            room.on(call)
+
+
 def test_the_table_ends_in_closed_and_refuses_other_moves() -> None:
     assert TRANSITIONS[P.CLOSED] == frozenset()
     assert all(P.CLOSED in targets for phase, targets in TRANSITIONS.items() if phase != P.CLOSED)
-    room = partial_room()
-    with pytest.raises(AssertionError, match="no transition PARTIAL -> LANDED"):
-        room._move(P.LANDED)
+    with pytest.raises(AssertionError, match="room 7: no transition PARTIAL -> LANDED"):
+        checked_move(TRANSITIONS, P.PARTIAL, P.LANDED, "room 7")
 
 
 def test_only_the_room_assigns_a_phase() -> None:
@@ -364,9 +381,9 @@ def test_only_the_room_assigns_a_phase() -> None:
 # ---- property tests: random event orders ---------------------------------------------------
 
 # What ends or pauses a room comes up more often than the rarer messages.
-DISRUPTIONS = ["suspend"] * 3 + ["abort"] * 3 + ["tick"] * 2 + ["peer_dead"] * 2 + ["bogus", "fail", "abort_ack", "foreign_abort_ack", "suspend_ack",
-               "foreign_suspend_ack", "sleep_tick", "peer_dead", "peer_gone", "peer_woke", "rebind",
-               "send_failed", "assemble", "checkpoint"]
+DISRUPTIONS = ["suspend"] * 3 + ["abort"] * 3 + ["tick"] * 2 + ["peer_dead"] * 3 + [
+    "bogus", "fail", "abort_ack", "foreign_abort_ack", "suspend_ack", "foreign_suspend_ack", "sleep_tick", "peer_gone",
+    "peer_woke", "rebind", "send_failed", "assemble", "checkpoint"]
 
 
 class Sim:
