@@ -3,31 +3,25 @@
 One :class:`EmbeddingReceiverManager` per language worker owns the destination pool, its
 allocator, the transport, the PULL socket for statuses, acks and pings, and the watch over its
 encode peers (:mod:`connector.encoder_peers`). Each request gets an
-:class:`EmbeddingReceiver` (SGLang's ``BaseKVReceiver`` shape), whose phase says what it waits
-for; every allowed phase change is in ``TRANSITIONS``.
-
-Block ownership: blocks passed to ``init``/``resume`` belong to the receiver from then on.
-They come back to the allocator when the embedding is assembled or checkpointed, or when the
-room failed and no peer can still write into them: a ``Failed`` status from the encoder (it
-sends one only with nothing in flight), its ``ABORT_ACK``, a peer whose process is gone
-(connection refused), or the ack timeout.
-
-An encoder built from the reference fork (its bootstrap sends no incarnation header) gets no
-message of ours beyond register, init and resume: no abort, no suspend. It cannot be told to
-stop, but it writes a round only when asked and reports every round with a status, so an
-aborted room's blocks wait for the status of the round it owes (or ``fork_abort_hold``), and
-a suspend waits for that status in place of the ack.
+:class:`EmbeddingReceiver` (SGLang's ``BaseKVReceiver`` shape): the handle of one
+:class:`~connector.receiver_rooms.ReceiverRoom`, the pure state machine whose ``on(event)`` is
+the only place a room's phase changes (every allowed change is in
+``connector.receiver_rooms.TRANSITIONS``). The handle and the manager turn what happens
+(a call, a message, a probe, a tick) into an event, hand it to the room, and apply the effects
+it returns: send a frame, free or copy blocks, count, wake waiters. Neither touches a room's
+fields otherwise; block ownership is described in :mod:`connector.receiver_rooms`.
 
 Locks, in this order only: the manager's ``_lock`` (every room's phase and the rooms table),
-then the allocator's and a room state's own (leaves: they call nothing back). No copy of an
-embedding's rows runs under the manager's lock except a sleep's checkpoint and a spill (both
-rare, and both must see a room that cannot change meanwhile).
+then the allocator's and a room state's own (leaves: they call nothing back). A room's frames
+are sent once the handle released the lock (still under it where the caller holds it: a
+message, a probe or a tick of the manager's threads). No copy of an embedding's rows runs under
+the manager's lock except a sleep's checkpoint and a spill (both rare, and both must see a room
+that cannot change meanwhile).
 """
 
 from __future__ import annotations
 
 import collections
-import enum
 import functools
 import logging
 import threading
@@ -44,7 +38,7 @@ from connector.bootstrap import RankRoute
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
 from connector.encoder_peers import EncoderPeers, Probe
-from connector.failures import FailureKind, parse_wire_reason
+from connector.failures import FailureKind
 from connector.messages import (
     AbortAckMsg,
     AbortMsg,
@@ -61,44 +55,54 @@ from connector.messages import (
 )
 from connector.peer_health import FailingPeers
 from connector.poll import KVPoll, RoomState
+from connector.receiver_rooms import (
+    FORK_OWES_A_ROUND,
+    TRANSITIONS,
+    Abort,
+    AbortAck,
+    Assemble,
+    Checkpoint,
+    Clone,
+    CopyOut,
+    Count,
+    Effect,
+    Event,
+    Forget,
+    FreeBlocks,
+    Init,
+    NoteFailure,
+    NoteSuccess,
+    Notify,
+    PeerDead,
+    PeerGone,
+    PeerWoke,
+    Rebound,
+    ReceiverPhase,
+    ReceiverRoom,
+    Restore,
+    Resumed,
+    Round,
+    SendAbort,
+    SendFailed,
+    SendRound,
+    SendSuspend,
+    Spill,
+    StatusIn,
+    Suspend,
+    SuspendAck,
+    Tick,
+    Warn,
+)
 from connector.rejections import Rejections
-from connector.transitions import checked_move
 from connector.transport import Transport
 from connector.zmq_link import PullLoop, PushSockets
 
 log = logging.getLogger(__name__)
 
-
-class ReceiverPhase(enum.Enum):
-    CREATED = "created"  # the encoder's route is known; no blocks yet
-    WAITING = "waiting"  # a round was asked for (init or resume): waiting for its status
-    EARLY = "early"  # the total is known while round one is written: the rest may be asked for now
-    PARTIAL = "partial"  # a round landed (Transferring): allocate for the rest and resume
-    LANDED = "landed"  # Success: the blocks hold the whole embedding until it is assembled
-    SUSPENDING = "suspending"  # sleep: suspend sent, nothing new asked for until its ack
-    SUSPENDED = "suspended"  # acked: nothing of the room is or will be in flight; checkpoint it
-    RESTORED = "restored"  # after a wake: continue with a resume from what landed
-    ABORTING = "aborting"  # failed; the blocks wait until no peer can write into them
-    CLOSED = "closed"  # blocks given back
-
+__all__ = ["TRANSITIONS", "EmbeddingReceiver", "EmbeddingReceiverManager", "ReceiverCheckpoint", "ReceiverPhase",
+           "finish_receiving", "receive_embedding"]
 
 R = ReceiverPhase
-TRANSITIONS: dict[ReceiverPhase, frozenset[ReceiverPhase]] = {
-    R.CREATED: frozenset({R.WAITING, R.RESTORED, R.CLOSED}),  # RESTORED: made from a checkpoint (restore)
-    R.WAITING: frozenset({R.EARLY, R.PARTIAL, R.LANDED, R.SUSPENDING, R.ABORTING, R.CLOSED}),
-    R.EARLY: frozenset({R.WAITING, R.PARTIAL, R.SUSPENDING, R.ABORTING, R.CLOSED}),
-    R.PARTIAL: frozenset({R.WAITING, R.SUSPENDING, R.ABORTING, R.CLOSED}),
-    R.LANDED: frozenset({R.CLOSED}),
-    R.SUSPENDING: frozenset({R.SUSPENDED, R.LANDED, R.ABORTING, R.CLOSED}),
-    R.SUSPENDED: frozenset({R.CLOSED}),
-    R.RESTORED: frozenset({R.WAITING, R.SUSPENDED, R.CLOSED}),
-    R.ABORTING: frozenset({R.CLOSED}),
-    R.CLOSED: frozenset(),
-}
-# Phases in which the encoder may be writing into the room's blocks.
-_MAYBE_IN_FLIGHT = frozenset({R.WAITING, R.EARLY, R.PARTIAL, R.SUSPENDING})
-# The same for a fork encoder, which writes only the round asked for and reports it.
-_FORK_OWES_A_ROUND = frozenset({R.WAITING, R.SUSPENDING})
 
 
 @dataclass
@@ -115,77 +119,95 @@ class ReceiverCheckpoint:
     data: Embedding | None  # ``total_tokens`` rows, the first ``landed`` filled
 
 
-@dataclass
-class _Round:
-    start: int  # first token this round's blocks hold
-    block_ids: list[int]
-
-
-def _copy_rounds(pool: BufferPool, rounds: list[_Round], out: Embedding, block_size: int, end: int) -> None:
+def _copy_rounds(pool: BufferPool, rounds: tuple[Round, ...], out: Embedding, block_size: int, end: int) -> None:
     """Copy tokens ``[0, end)`` of ``rounds`` from ``pool`` into ``out``."""
     for rnd in rounds:
         n = min(len(rnd.block_ids) * block_size, end - rnd.start)
         if n > 0:
-            pool.read_into(rnd.block_ids[: -(-n // block_size)], out, rnd.start, n)
+            pool.read_into(list(rnd.block_ids[: -(-n // block_size)]), out, rnd.start, n)
+
+
+def _blocks(rounds: tuple[Round, ...]) -> list[int]:
+    return [b for rnd in rounds for b in rnd.block_ids]
+
+
+def _peer_name(bootstrap_addr: str, route: RankRoute) -> str:
+    return f"encode peer {bootstrap_addr} (rank {route.rank_ip}:{route.rank_port})"
 
 
 class EmbeddingReceiver:
-    """One request's receiving end. Thread-safe; status updates arrive on the manager's thread."""
+    """One request's receiving end: the handle of its :class:`ReceiverRoom` (``machine``).
+    Thread-safe; status updates arrive on the manager's thread.
+
+    Every call takes the manager's lock, hands the room an event and applies the effects it
+    returns; frames go out once the lock is released. Allocation stays here (how many blocks
+    are free decides a resume's size and a spill); the room decides every phase.
+    """
 
     def __init__(self, manager: EmbeddingReceiverManager, bootstrap_addr: str, room: int, route: RankRoute) -> None:
         self._m, self.bootstrap_addr, self.room, self.route = manager, bootstrap_addr, room, route
-        self.phase = ReceiverPhase.CREATED
-        self.state = RoomState()
+        self.machine = ReceiverRoom(room, manager.config.block_size, route.extended, _peer_name(bootstrap_addr, route),
+                                    last_progress=manager.clock())
         self._changed = threading.Condition(manager._lock)  # notified on every status change
-        self.total_tokens: int | None = None
-        self.resume_rounds = 0
-        # when the encoder had the embedding (it announced the total, or a fork's first round
-        # landed): before it, the room waits for the encoder; after it, the wire works
-        self.sending_at: float | None = None
-        self._rounds: list[_Round] = []  # rounds whose blocks are still in the pool
-        self._round_end = 0  # tokens that have landed once the current round succeeds
         self._out: Embedding | None = None  # assembly target, created early only by a spill or a restore
-        self._spilled = 0  # tokens [0, _spilled) already copied into _out
-        self._aux = None
-        self._aborted_at = 0.0
-        self._failure_noted = False  # counted in the manager's FailingPeers
-        # The reference fork's strategy, kept only to measure against (scripts/bench_resume.py):
-        # copy every partial round out of the pool and concatenate all copies at the end.
-        self.clone_concat = False
+        # The reference fork's strategy (clone_concat), kept only to measure against
+        # (scripts/bench_resume.py): copies of every partial round, concatenated at the end.
         self._clones: list[Embedding] = []
-        self._last_progress = self._m.clock()
-        self.peer_name = f"encode peer {bootstrap_addr} (rank {route.rank_ip}:{route.rank_port})"
 
-    def _move(self, phase: ReceiverPhase) -> None:
-        self.phase = checked_move(TRANSITIONS, self.phase, phase, f"room {self.room}")
+    # ---- what the room says (read-only) -----------------------------------------------------
+
+    @property
+    def phase(self) -> ReceiverPhase:
+        return self.machine.phase
+
+    @property
+    def state(self) -> RoomState:
+        return self.machine.state
+
+    @property
+    def total_tokens(self) -> int | None:
+        return self.machine.total_tokens
+
+    @property
+    def resume_rounds(self) -> int:
+        return self.machine.resume_rounds
+
+    @property
+    def sending_at(self) -> float | None:
+        """When the encoder had the embedding (``time.monotonic()``; it announced the total, or a
+        fork's first round landed): before it, the room waits for the encoder; after it, the wire works."""
+        return self.machine.sending_at
+
+    @property
+    def peer_name(self) -> str:
+        return self.machine.peer_name
+
+    @property
+    def clone_concat(self) -> bool:
+        """The reference fork's strategy (benchmarks): copy every partial round out of the pool
+        and concatenate all copies at the end. Set before ``init``."""
+        return self.machine.clone_concat
+
+    @clone_concat.setter
+    def clone_concat(self, value: bool) -> None:
+        self.machine.clone_concat = value
 
     # ---- BaseKVReceiver-like API ----------------------------------------------------------
 
     def init(self, block_ids: list[int]) -> None:
         """Send the 7-frame init with the first allocation (``allocated = len * block_size``)."""
-        m = self._m
-        with m._lock:
-            if self.phase == R.CLOSED:  # e.g. its peer was declared dead meanwhile
-                m.allocator.free(block_ids)
-                return
-            if self.phase != R.CREATED or not block_ids:
-                raise ValueError(f"room {self.room}: init needs blocks and may be called once")
-            self._rounds.append(_Round(0, list(block_ids)))
-            self._round_end = len(block_ids) * m.config.block_size
-            self.state.advance(KVPoll.WaitingForInput)
-            self._move(R.WAITING)
-        m._send(self, self._round_frames(block_ids, None), register=True)
+        self.handle(Init(tuple(block_ids)))
 
     def poll(self) -> KVPoll:
-        return self.state.status
+        return self.machine.state.status
 
     def failure_exception(self) -> None:
-        if self.state.status == KVPoll.Failed:
-            raise self.state.failure(self.room)
+        if self.machine.state.status == KVPoll.Failed:
+            raise self.machine.state.failure(self.room)
 
     def remaining_tokens(self) -> int:
-        assert self.total_tokens is not None
-        return self.total_tokens - self._round_end
+        assert self.machine.total_tokens is not None
+        return self.machine.total_tokens - self.machine.round_end
 
     def try_resume(self) -> bool:
         """After a partial round (or early, or after a wake): allocate for the rest (or as much as
@@ -195,35 +217,22 @@ class EmbeddingReceiver:
         to make room, so a full pool can always make progress. Returns False when it must be
         retried later (nothing could be allocated).
         """
-        with self._m._lock:
-            if self.phase not in (R.PARTIAL, R.EARLY, R.RESTORED):
+        m, room = self._m, self.machine
+        with m._lock:
+            if not room.resumable:
                 return False
-            early = self.phase == R.EARLY
-            m, bs = self._m, self._m.config.block_size
-            if self.total_tokens is None:  # restored before anything landed: start over from 0
-                need = m.config.default_allocate_blocks
-            else:
-                need = -(-self.remaining_tokens() // bs)
-            if self.clone_concat and self._rounds:
-                self._clones.append(self._clone_rounds_locked())
+            need = room.blocks_needed(m.config.default_allocate_blocks)
+            if room.clone_concat:
+                self._copy_out(self._apply(room.on(Clone()))[1])
             free = m.allocator.free_blocks
-            if free == 0 and self._rounds and not early:  # never spill a round still being written
-                self._spill_locked()
+            if free == 0:  # the room spills only rounds nothing is written into
+                self._copy_out(self._apply(room.on(Spill()))[1])
                 free = m.allocator.free_blocks
             blocks = m.allocator.allocate(min(need, free)) if free else None
             if blocks is None:
                 return False
-            start = self._round_end
-            self._rounds.append(_Round(start, blocks))
-            self._round_end = start + len(blocks) * bs
-            if early:  # progress stays where it is until the current round lands
-                m.stats["early_resumes"] += 1
-            else:
-                self.state.advance(KVPoll.WaitingForInput, start)
-            self.resume_rounds += 1
-            self._last_progress = self._m.clock()
-            self._move(R.WAITING)
-        m._send(self, self._round_frames(blocks, start))
+            sends, _ = self._apply(room.on(Resumed(tuple(blocks), m.clock())))
+        self._send(sends)
         return True
 
     def assemble(self) -> Embedding:
@@ -236,105 +245,141 @@ class EmbeddingReceiver:
         copy (75 MB for a 4K image) runs after the room is closed, outside the manager's lock:
         statuses of other rooms are not held up by it.
         """
-        rounds: list[_Round] = []  # to copy once the lock is released
-        with self._m._lock:
-            if self.phase != R.LANDED:
-                if self.state.status == KVPoll.Failed:  # cancelled or failed after its Success was read
-                    raise self.state.failure(self.room)
-                raise RuntimeError(f"room {self.room}: cannot assemble in phase {self.phase.name}")
-            assert self.total_tokens is not None and self._aux is not None
-            m, bs = self._m, self._m.config.block_size
-            used = [b for rnd in self._rounds
-                    for b in rnd.block_ids[: max(0, -(-(self.total_tokens - rnd.start) // bs))]]
+        m, room, bs = self._m, self.machine, self._m.config.block_size
+        rounds: tuple[Round, ...] = ()  # to copy once the lock is released
+        with m._lock:
+            _, copies = self._apply(room.on(Assemble()))  # raises when it cannot
+            (given,) = copies
+            total, pool = room.total_tokens, m.pool
+            assert total is not None and room.aux is not None
             if self._clones:  # reference strategy: concatenate the copies of every round
-                parts = self._clones + [self._clone_rounds_locked()]
+                parts = self._clones + [self._clone(given)]
+                m.allocator.free(_blocks(given.rounds))
                 out = Embedding(np.concatenate([p.embeddings for p in parts]), np.concatenate([p.fill_ids for p in parts]),
                                 np.concatenate([p.mrope_positions for p in parts], axis=1), parts[0].aux.copy(),
                                 m.pool.hidden_size, m.pool.dtype)
-            elif self._out is None and (out := m.pool.view(used, self.total_tokens)) is not None:
+            elif self._out is None and (out := m.pool.view(used := room.used_blocks(given.rounds), total)) is not None:
                 held = set(used)
-                m.allocator.free([b for rnd in self._rounds for b in rnd.block_ids if b not in held])
+                m.allocator.free([b for b in _blocks(given.rounds) if b not in held])
                 out.release_fn = lambda: m.allocator.free(used)
-                self._rounds = []
-            else:  # the room closes with no round: its blocks are this call's until copied
-                out = self._out or Embedding.empty(self.total_tokens, m.pool.hidden_size, m.pool.dtype)
-                rounds, self._rounds, pool = self._rounds, [], m.pool
-            out.aux[:] = self._aux
-            self._close()
+            else:  # the room closed with no round: its blocks are this call's until copied
+                out = self._out or Embedding.empty(total, m.pool.hidden_size, m.pool.dtype)
+                rounds = given.rounds
+            out.aux[:] = room.aux
         if rounds:
             try:
-                _copy_rounds(pool, rounds, out, bs, self.total_tokens)
+                _copy_rounds(pool, rounds, out, bs, given.upto)
             finally:
-                m.allocator.free([b for rnd in rounds for b in rnd.block_ids])
+                m.allocator.free(_blocks(rounds))
         return out
 
     def abort(self, kind: FailureKind = FailureKind.CANCELLED, reason: str = "aborted by the language side") -> None:
         """Fail at once and tell the encoder. Blocks the encoder may still be writing come back
         with its ack (or when it is found gone, or after the ack timeout); others at once."""
-        m = self._m
-        with m._lock:
-            if self.phase in (R.CLOSED, R.ABORTING) or not self.state.fail(kind, reason):
-                return
-            extended = self.route.extended
-            self._note_failure()
-            if self.phase in (_MAYBE_IN_FLIGHT if extended else _FORK_OWES_A_ROUND):
-                self._move(R.ABORTING)
-                self._aborted_at = self._m.clock()
-                self._notify()
-            else:
-                self._close()
-        if extended:
-            m._send(self, AbortMsg(self.room, m.config.host, m.rank_port, m.generation).encode())
+        self.handle(Abort(kind, reason, self._m.clock()))
 
     def suspend(self) -> None:
         """Ask the encoder to write nothing more for this room (sleep); its ack ends SUSPENDING.
         A fork encoder is not asked: the status of the round it owes ends SUSPENDING."""
-        with self._m._lock:
-            if self.phase == R.RESTORED:  # the encoder still holds it suspended: nothing to ask
-                self._move(R.SUSPENDED)
-                return
-            if self.phase not in (R.WAITING, R.EARLY, R.PARTIAL):
-                return
-            owes_a_round = self.phase == R.WAITING
-            self._move(R.SUSPENDING)
-            m = self._m
-            if not self.route.extended:
-                if not owes_a_round:
-                    self._move(R.SUSPENDED)
-                    self._notify()
-                return
-        m._send(self, SuspendMsg(self.room, m.config.host, m.rank_port, m.generation).encode())
+        self.handle(Suspend())
 
     def checkpoint(self) -> ReceiverCheckpoint:
         """After the suspend ack: keep what landed in host memory and give every block back."""
+        room = self.machine
         with self._m._lock:
-            if self.phase != R.SUSPENDED:
-                raise RuntimeError(f"room {self.room}: cannot checkpoint in phase {self.phase.name}")
-            if self.state.status == KVPoll.Transferring:
-                assert self.total_tokens is not None
-                landed = min(self._round_end, self.total_tokens)
-            else:  # a round asked for but never written, or restored and not resumed yet
-                landed = max(self.state.progress.sent_tokens, self._spilled)
-            if landed and self._out is None:
-                assert self.total_tokens is not None
-                self._out = Embedding.empty(self.total_tokens, self._m.pool.hidden_size, self._m.pool.dtype)
-            if landed:
-                self._copy_rounds_into(self._out, landed)
-            self._close()
-            return ReceiverCheckpoint(self.room, self.bootstrap_addr, self.route, landed, self.total_tokens,
-                                      self._aux, self.resume_rounds, self._out if landed else None)
+            _, copies = self._apply(room.on(Checkpoint()))
+            self._copy_out(copies)
+            landed = copies[0].upto
+            return ReceiverCheckpoint(self.room, self.bootstrap_addr, self.route, landed, room.total_tokens,
+                                      room.aux, room.resume_rounds, self._out if landed else None)
 
     def wait(self, timeout: float) -> KVPoll:
         """Block until the status changes (or ``timeout``); returns the status then."""
+        room = self.machine
         with self._m._lock:
-            before = self.state.progress
+            before = room.state.progress
             if not before.terminal:
-                self._changed.wait_for(lambda: self.state.progress != before or self.phase == R.EARLY, timeout)
-            return self.state.status
+                self._changed.wait_for(lambda: room.state.progress != before or room.phase == R.EARLY, timeout)
+            return room.state.status
 
-    # ---- internals (manager lock held) -------------------------------------------------------
+    # ---- events from the manager ------------------------------------------------------------
 
-    def _round_frames(self, block_ids: list[int], resume_from: int | None) -> list[bytes]:
+    def handle(self, event: Event) -> None:
+        """Hand the room ``event`` and apply what it says (frames once the lock is released)."""
+        with self._m._lock:
+            sends, copies = self._apply(self.machine.on(event))
+        assert not copies, f"{event} gave rounds away"
+        self._send(sends)
+
+    def on_status(self, msg: StatusMsg) -> None:
+        """A status from the encoder (manager lock held). Until the room has its aux row, the
+        first round's first block holds it: read it along."""
+        room, aux = self.machine, None
+        if room.aux is None and room.rounds and msg.status in (KVPoll.Transferring, KVPoll.Success):
+            aux = self._m.pool.aux[room.rounds[0].block_ids[0]].copy()
+        self.handle(StatusIn(msg.status, msg.sent_tokens, msg.total_tokens, msg.reason, aux, self._m.clock(),
+                             time.monotonic()))
+
+    def tick(self, now: float, asleep_since: float | None) -> None:
+        """The manager's periodic check of the room's timeouts."""
+        c = self._m.config
+        self.handle(Tick(now, asleep_since, c.abort_ack_timeout, c.fork_abort_hold, c.max_sleep, c.waiting_timeout))
+
+    def rebind(self, route: RankRoute) -> None:
+        """The encoder restarted at ``route``: ask it again for the round it owes this room."""
+        self.route = route
+        self.handle(Rebound(route.extended, _peer_name(self.bootstrap_addr, route), self._m.clock()))
+
+    def restore(self, ckpt: ReceiverCheckpoint) -> None:
+        """Continue the checkpointed room (a new receiver, manager lock held)."""
+        self._out = ckpt.data
+        self.handle(Restore(ckpt.total_tokens, ckpt.aux, ckpt.resume_rounds, ckpt.landed))
+
+    # ---- applying effects ---------------------------------------------------------------------
+
+    def _apply(self, effects: list[Effect]) -> tuple[list[Effect], list[CopyOut]]:
+        """Apply what needs the manager's lock (held); return the frames to send and the rounds
+        given out (for the caller to copy and free)."""
+        m = self._m
+        sends: list[Effect] = []
+        copies: list[CopyOut] = []
+        for eff in effects:
+            if isinstance(eff, (SendRound, SendAbort, SendSuspend)):
+                sends.append(eff)
+            elif isinstance(eff, CopyOut):
+                copies.append(eff)
+            elif isinstance(eff, FreeBlocks):
+                m.allocator.free(list(eff.block_ids))
+            elif isinstance(eff, Notify):
+                self._notify()
+            elif isinstance(eff, NoteFailure):
+                m.failing.failed(self.bootstrap_addr, eff.kind, eff.reason)
+            elif isinstance(eff, NoteSuccess):
+                m.failing.succeeded(self.bootstrap_addr)
+            elif isinstance(eff, Count):
+                m.stats[eff.stat] += eff.n
+            elif isinstance(eff, Forget):
+                m._forget(self)
+            elif isinstance(eff, Warn):
+                log.warning("%s", eff.text)
+            else:
+                raise AssertionError(f"unknown effect {eff}")
+        return sends, copies
+
+    def _send(self, sends: list[Effect]) -> None:
+        """Send the room's frames; one that cannot go fails the room (``SendFailed``)."""
+        m = self._m
+        for eff in sends:
+            if isinstance(eff, SendRound):
+                frames, register = self._round_frames(eff.block_ids, eff.start), eff.register
+            elif isinstance(eff, SendAbort):
+                frames, register = AbortMsg(self.room, m.config.host, m.rank_port, m.generation).encode(), False
+            else:
+                frames, register = SuspendMsg(self.room, m.config.host, m.rank_port, m.generation).encode(), False
+            if not m._send_to(self.route, frames, register):
+                self.handle(SendFailed())
+
+    def _round_frames(self, block_ids: tuple[int, ...], resume_from: int | None) -> list[bytes]:
         """The 7-frame init (``resume_from`` None) or the 8-frame resume of one round."""
         m = self._m
         allocated = len(block_ids) * m.config.block_size
@@ -345,135 +390,31 @@ class EmbeddingReceiver:
                             resume_from, allocated)
         return msg.encode()
 
-    def _rebind(self, route: RankRoute) -> None:
-        """The encoder restarted at ``route``: ask it again for the round it owes this room.
+    def _copy_out(self, copies: list[CopyOut]) -> None:
+        """Copy rounds a spill, clone or checkpoint gave out into host memory, then free their
+        blocks (manager lock held)."""
+        m = self._m
+        for given in copies:
+            try:
+                if given.into == "clone":
+                    self._clones.append(self._clone(given))
+                elif given.upto:  # a spill, or a checkpoint of what landed
+                    if self._out is None:
+                        assert self.machine.total_tokens is not None
+                        self._out = Embedding.empty(self.machine.total_tokens, m.pool.hidden_size, m.pool.dtype)
+                    _copy_rounds(m.pool, given.rounds, self._out, m.config.block_size, given.upto)
+            finally:
+                m.allocator.free(_blocks(given.rounds))
 
-        A round that starts at token 0 is asked for with an init, a later one with a resume;
-        a restarted encoder restores exactly those two kinds of room from its checkpoint.
-        """
-        self.route = route
-        self.peer_name = f"encode peer {self.bootstrap_addr} (rank {route.rank_ip}:{route.rank_port})"
-        self._last_progress = self._m.clock()
-        if self.phase != R.WAITING:
-            return  # nothing requested: the next try_resume goes to the new rank
-        start = self.state.progress.sent_tokens
-        pending = next((rnd for rnd in self._rounds if rnd.start == start), None)
-        if pending is not None:
-            self._m._send(self, self._round_frames(pending.block_ids, start or None))
-
-    def _copy_rounds_into(self, out: Embedding, upto: int | None = None) -> None:
-        """Copy the rounds still in the pool into ``out``, tokens below ``upto`` (default: all)."""
-        assert self.total_tokens is not None
-        _copy_rounds(self._m.pool, self._rounds, out, self._m.config.block_size,
-                     self.total_tokens if upto is None else upto)
-
-    def _clone_rounds_locked(self) -> Embedding:
-        """Copy the rounds in the pool into a new embedding of just their tokens; free their blocks."""
-        assert self.total_tokens is not None
-        first, bs = self._rounds[0].start, self._m.config.block_size
-        end = min(self._round_end, self.total_tokens)
-        clone = Embedding.empty(end - first, self._m.pool.hidden_size, self._m.pool.dtype)
-        for rnd in self._rounds:
-            n = min(len(rnd.block_ids) * bs, end - rnd.start)
-            self._m.pool.read_into(rnd.block_ids[: -(-n // bs)], clone, rnd.start - first, n)
-        self._free_rounds()
+    def _clone(self, given: CopyOut) -> Embedding:
+        """A new embedding of just the tokens of ``given``'s rounds (below ``upto``)."""
+        m, bs = self._m, self._m.config.block_size
+        first = given.rounds[0].start
+        clone = Embedding.empty(given.upto - first, m.pool.hidden_size, m.pool.dtype)
+        for rnd in given.rounds:
+            n = min(len(rnd.block_ids) * bs, given.upto - rnd.start)
+            m.pool.read_into(list(rnd.block_ids[: -(-n // bs)]), clone, rnd.start - first, n)
         return clone
-
-    def _spill_locked(self) -> None:
-        """Copy the received rounds into the (early) assembly target and free their blocks."""
-        assert self.total_tokens is not None
-        if self._out is None:
-            self._out = Embedding.empty(self.total_tokens, self._m.pool.hidden_size, self._m.pool.dtype)
-        self._copy_rounds_into(self._out)
-        self._free_rounds()
-        self._m.stats["spilled_tokens"] += self._round_end - self._spilled
-        self._spilled = self._round_end
-
-    def _free_rounds(self) -> None:
-        self._m.allocator.free([b for rnd in self._rounds for b in rnd.block_ids])
-        self._rounds = []
-
-    def _note_failure(self) -> None:
-        """Count a failed room against its encoder once, as soon as it failed (for /health)."""
-        if self.state.status == KVPoll.Failed and not self._failure_noted:
-            self._failure_noted = True
-            self._m.failing.failed(self.bootstrap_addr, self.state.kind, self.state.reason)
-
-    def _close(self) -> None:
-        """Give back every block still held and forget the room."""
-        self._note_failure()
-        self._free_rounds()
-        self._move(R.CLOSED)
-        self._m._forget(self)
-        self._notify()
-
-    def _on_status(self, msg: StatusMsg) -> None:
-        if msg.status == KVPoll.Failed:  # the encoder stopped writing: the blocks are safe to free
-            if self.state.status != KVPoll.Failed:
-                kind, text = parse_wire_reason(msg.reason)
-                self.state.fail(kind, f"{self.peer_name} failed the room: {text}")
-            self._close()
-            return
-        if self.phase == R.ABORTING and not self.route.extended:  # the fork's last write landed
-            self._m.stats["fork_abort_settled"] += 1
-            self._close()
-            return
-        if self.phase not in (R.WAITING, R.EARLY, R.SUSPENDING):
-            return  # aborting, or a status that is late for its round
-        if msg.total_tokens is not None:
-            self._on_total(msg.total_tokens)
-            return
-        if msg.status not in (KVPoll.Transferring, KVPoll.Success):
-            return
-        if msg.sent_tokens is not None and msg.sent_tokens > self._round_end:
-            self._fail_bad(f"status says {msg.sent_tokens} tokens sent, only {self._round_end} allocated")
-            return
-        self.sending_at = self.sending_at or time.monotonic()
-        if self._aux is None:  # the first round carried aux: read the total from it
-            self._aux = self._m.pool.aux[self._rounds[0].block_ids[0]].copy()
-            total = int(self._aux[0])
-            if total <= 0 or self.total_tokens not in (None, total):
-                self._fail_bad(f"aux reports {total} total tokens (announced: {self.total_tokens})")
-                return
-            self.total_tokens = total
-        assert self.total_tokens is not None
-        landed = msg.sent_tokens if msg.sent_tokens is not None else min(self._round_end, self.total_tokens)
-        if msg.status == KVPoll.Success:
-            if landed != self.total_tokens:
-                self._fail_bad(f"Success after {landed} of {self.total_tokens} tokens")
-                return
-            self.state.advance(KVPoll.Success, landed)
-            self._move(R.LANDED)
-            self._m.failing.succeeded(self.bootstrap_addr)
-        else:
-            if landed >= self.total_tokens:
-                self._fail_bad(f"Transferring although all {self.total_tokens} tokens were allocated")
-                return
-            if self._round_end > landed:  # the next round was asked for early and is under way
-                self.state.advance(KVPoll.WaitingForInput, landed)
-            else:
-                self.state.advance(KVPoll.Transferring, self.state.progress.sent_tokens)
-                if self.phase != R.SUSPENDING:
-                    self._move(R.PARTIAL)
-                elif not self.route.extended:  # the fork's round landed: nothing is in flight
-                    self._move(R.SUSPENDED)
-        self._last_progress = self._m.clock()
-        self._notify()
-
-    def _on_total(self, total: int) -> None:
-        """The encoder announced the total as the first round started: allow an early resume."""
-        if self.total_tokens is not None:
-            return
-        self.total_tokens = total
-        self.sending_at = self.sending_at or time.monotonic()
-        if (self.phase == R.WAITING and len(self._rounds) == 1 and self._round_end < total
-                and not self.clone_concat):
-            self._move(R.EARLY)
-        self._notify()
-
-    def _fail_bad(self, what: str) -> None:
-        self._m.stats["bad_status"] += 1
-        self.abort(FailureKind.PROTOCOL, f"{self.peer_name} sent an inconsistent status: {what}")
 
     def _notify(self) -> None:
         self._changed.notify_all()
@@ -554,7 +495,7 @@ class EmbeddingReceiverManager:
     def fork_rounds_owed(self) -> list[int]:
         """Rooms a reference-fork encoder may still write into (a sleep must wait for them)."""
         with self._lock:
-            return [r.room for r in self._rooms.values() if not r.route.extended and r.phase in _FORK_OWES_A_ROUND | {
+            return [r.room for r in self._rooms.values() if not r.route.extended and r.phase in FORK_OWES_A_ROUND | {
                 R.ABORTING}]
 
     # ---- sleep ------------------------------------------------------------------------------
@@ -608,9 +549,7 @@ class EmbeddingReceiverManager:
             if ckpt.route.incarnation:  # a new encoder process answers with another one: rebind then
                 peer.incarnation = peer.incarnation or ckpt.route.incarnation
             r = EmbeddingReceiver(self, ckpt.bootstrap_addr, ckpt.room, ckpt.route)
-            r.total_tokens, r._aux, r.resume_rounds = ckpt.total_tokens, ckpt.aux, ckpt.resume_rounds
-            r._out, r._spilled, r._round_end = ckpt.data, ckpt.landed, ckpt.landed
-            r._move(R.RESTORED)
+            r.restore(ckpt)
             self._rooms[ckpt.room] = r
             return r
 
@@ -637,13 +576,6 @@ class EmbeddingReceiverManager:
     def _register_msg(self) -> RegisterMsg:
         return RegisterMsg(self.config.host, self.rank_port, self.transport.session_id, self.pool.base_ptrs,
                            self.generation, self.pool.num_blocks, self.pool.item_lens)
-
-    def _send(self, receiver: EmbeddingReceiver, frames: list[bytes], register: bool = False) -> None:
-        if not self._send_to(receiver.route, frames, register):
-            with self._lock:  # the encoder never got it; an aborting room still waits for its ack
-                if receiver.phase not in (R.CLOSED, R.ABORTING):
-                    receiver.state.fail(FailureKind.PEER_UNREACHABLE, f"cannot reach {receiver.peer_name}")
-                    receiver._close()
 
     def _send_to(self, route: RankRoute, frames: list[bytes], register: bool = False) -> bool:
         """Send to an encode rank, registering with it first (the first time, or always with
@@ -688,34 +620,12 @@ class EmbeddingReceiverManager:
             if receiver is None:  # usually a late status of a room that ended
                 self.rejections.reject("unknown_room", f"message for room {msg.room}", logging.DEBUG)
                 return
-            if isinstance(msg, SuspendAckMsg):
-                if msg.generation == self.generation and receiver.phase == R.SUSPENDING:
-                    receiver._move(R.SUSPENDED)
-                    receiver._notify()
-                elif receiver.phase in _MAYBE_IN_FLIGHT:
-                    # Suspended there on a SUSPEND we never sent: it would write nothing more until
-                    # we resumed it, which we would not know to do. Give it up (the abort ends it there).
-                    self.stats["foreign_suspend"] += 1
-                    receiver.abort(FailureKind.ABORTED, f"{receiver.peer_name} suspended the room on a SUSPEND "
-                                                        "this worker did not send")
-                else:
-                    self.stats["stale_message"] += 1
-                return
-            if isinstance(msg, AbortAckMsg):
-                if msg.generation == self.generation and receiver.phase == R.ABORTING:
-                    self.stats["abort_acked"] += 1
-                    receiver._close()
-                elif receiver.phase in _MAYBE_IN_FLIGHT:
-                    # The encoder gave the room up on an ABORT we never sent (a stranger named our
-                    # endpoint): it is gone there, and an ack comes only with nothing in flight.
-                    self.stats["foreign_abort"] += 1
-                    receiver.state.fail(FailureKind.ABORTED, f"{receiver.peer_name} ended the room on an ABORT "
-                                                             "this worker did not send")
-                    receiver._close()
-                else:
-                    self.stats["stale_message"] += 1
-                return
-            receiver._on_status(msg)
+            if isinstance(msg, SuspendAckMsg):  # an ack of another generation's SUSPEND is foreign
+                receiver.handle(SuspendAck(msg.generation == self.generation, self.clock()))
+            elif isinstance(msg, AbortAckMsg):
+                receiver.handle(AbortAck(msg.generation == self.generation))
+            else:
+                receiver.on_status(msg)
 
     # ---- peer watch and timeouts ------------------------------------------------------------------
 
@@ -734,21 +644,7 @@ class EmbeddingReceiverManager:
     def _check_timeouts(self, now: float) -> None:
         with self._lock:
             for receiver in list(self._rooms.values()):
-                peer = self.encoders.peer(receiver.bootstrap_addr)
-                if receiver.phase == R.ABORTING:
-                    hold = self.config.abort_ack_timeout if receiver.route.extended else self.config.fork_abort_hold
-                    if now - receiver._aborted_at > hold:
-                        log.warning("room %d: no %s from %s within %gs; its blocks are freed", receiver.room,
-                                    "ABORT_ACK" if receiver.route.extended else "status", receiver.peer_name, hold)
-                        receiver._close()
-                elif peer.asleep_since is not None:
-                    if now - peer.asleep_since > self.config.max_sleep:
-                        receiver.abort(FailureKind.TIMEOUT,
-                                       f"{receiver.peer_name} slept longer than {self.config.max_sleep:g}s")
-                elif (receiver.phase in (R.WAITING, R.EARLY)
-                      and now - receiver._last_progress > self.config.waiting_timeout):
-                    receiver.abort(FailureKind.TIMEOUT, f"no data from {receiver.peer_name} within "
-                                                        f"{self.config.waiting_timeout:g}s")
+                receiver.tick(now, self.encoders.peer(receiver.bootstrap_addr).asleep_since)
 
     def _on_probe(self, addr: str, probe: Probe) -> None:
         """One health probe's answer: a sleeping peer is alive (its rooms wait up to ``max_sleep``);
@@ -761,8 +657,7 @@ class EmbeddingReceiverManager:
             peer = self.encoders.peer(addr)
             if probe.gone:  # no process: nothing can write into our blocks any more
                 for receiver in [r for r in self._rooms.values() if r.bootstrap_addr == addr]:
-                    if receiver.phase == R.ABORTING:
-                        receiver._close()
+                    receiver.handle(PeerGone())
             if peer.durable:  # restarting from its checkpoint: its rooms wait (up to max_sleep)
                 self.stats["durable_peer_unreachable"] += 1
                 return
@@ -783,9 +678,9 @@ class EmbeddingReceiverManager:
             peer.durable = False
             if peer.asleep_since is not None:
                 peer.asleep_since = None
-                for receiver in self._rooms.values():
+                for receiver in list(self._rooms.values()):
                     if receiver.bootstrap_addr == addr:
-                        receiver._last_progress = self.clock()
+                        receiver.handle(PeerWoke(self.clock()))
             known = peer.incarnation = peer.incarnation or incarnation
         if incarnation and known != incarnation:
             self._rebind(addr, incarnation)
@@ -809,7 +704,7 @@ class EmbeddingReceiverManager:
             self.encoders.peer(addr).incarnation = route.incarnation or incarnation
             self._drop_rank(old)
             for receiver in rooms:
-                receiver._rebind(route)
+                receiver.rebind(route)
         self.stats["peer_restarted"] += 1
         log.warning("encode peer %s restarted (rank now %s:%d); %d rooms asked again",
                     addr, route.rank_ip, route.rank_port, len(rooms))
@@ -831,12 +726,7 @@ class EmbeddingReceiverManager:
         if gone:  # a restarted process has another rank: look it up again
             self._drop_rank(self.encoders.forget_route(addr))
         for receiver in [r for r in self._rooms.values() if r.bootstrap_addr == addr]:
-            reason = f"{receiver.peer_name} is dead: {why}"
-            if receiver.phase in _MAYBE_IN_FLIGHT and not gone:
-                receiver.abort(FailureKind.PEER_DEAD, reason)
-            elif receiver.phase not in (R.LANDED, R.CLOSED) and (gone or receiver.phase != R.ABORTING):
-                receiver.state.fail(FailureKind.PEER_DEAD, reason)
-                receiver._close()
+            receiver.handle(PeerDead(why, gone, self.clock()))
         self.stats["peer_dead"] += 1
         log.error("encode peer %s declared dead: %s", addr, why)
 
