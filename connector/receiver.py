@@ -15,8 +15,9 @@ Locks, in this order only: the manager's ``_lock`` (every room's phase and the r
 then the allocator's and a room state's own (leaves: they call nothing back). A room's frames
 are sent once the handle released the lock (still under it where the caller holds it: a
 message, a probe or a tick of the manager's threads). No copy of an embedding's rows runs under
-the manager's lock except a sleep's checkpoint and a spill (both rare, and both must see a room
-that cannot change meanwhile).
+the manager's lock except a spill (rare: only when no block is free at all; a checkpoint of the
+same room must not run beside it). An assembly's and a checkpoint's copies run after their room
+closed, outside it.
 """
 
 from __future__ import annotations
@@ -287,11 +288,11 @@ class EmbeddingReceiver:
         """After the suspend ack: keep what landed in host memory and give every block back."""
         room = self.machine
         with self._m._lock:
-            _, copies = self._apply(room.on(Checkpoint()))
-            self._copy_out(copies)
-            landed = copies[0].upto
-            return ReceiverCheckpoint(self.room, self.bootstrap_addr, self.route, landed, room.total_tokens,
-                                      room.aux, room.resume_rounds, self._out if landed else None)
+            _, copies = self._apply(room.on(Checkpoint()))  # closed: nothing else touches it now
+        self._copy_out(copies)  # outside the lock
+        landed = copies[0].upto
+        return ReceiverCheckpoint(self.room, self.bootstrap_addr, self.route, landed, room.total_tokens,
+                                  room.aux, room.resume_rounds, self._out if landed else None)
 
     def wait(self, timeout: float) -> KVPoll:
         """Block until the status changes (or ``timeout``); returns the status then."""
@@ -392,7 +393,8 @@ class EmbeddingReceiver:
 
     def _copy_out(self, copies: list[CopyOut]) -> None:
         """Copy rounds a spill, clone or checkpoint gave out into host memory, then free their
-        blocks (manager lock held)."""
+        blocks (under the manager's lock for a spill: a checkpoint of the room must not run
+        beside it; a checkpoint's own runs after its room closed, outside the lock)."""
         m = self._m
         for given in copies:
             try:
