@@ -15,9 +15,9 @@ Locks, in this order only: the manager's ``_lock`` (every room's phase and the r
 then the allocator's and a room state's own (leaves: they call nothing back). A room's frames
 are sent once the handle released the lock (still under it where the caller holds it: a
 message, a probe or a tick of the manager's threads). No copy of an embedding's rows runs under
-the manager's lock except a spill (rare: only when no block is free at all; a checkpoint of the
-same room must not run beside it). An assembly's and a checkpoint's copies run after their room
-closed, outside it.
+the manager's lock: an assembly's and a checkpoint's run after their room closed, a spill's once
+its rounds left the room (a checkpoint of that room waits for it). Only the reference fork's
+strategy (``clone_concat``, kept to measure against) copies under it, as the fork does.
 """
 
 from __future__ import annotations
@@ -154,6 +154,7 @@ class EmbeddingReceiver:
         # The reference fork's strategy (clone_concat), kept only to measure against
         # (scripts/bench_resume.py): copies of every partial round, concatenated at the end.
         self._clones: list[Embedding] = []
+        self._spilling = False  # a spill's copy into _out runs (outside the lock)
 
     # ---- what the room says (read-only) -----------------------------------------------------
 
@@ -219,16 +220,26 @@ class EmbeddingReceiver:
         retried later (nothing could be allocated).
         """
         m, room = self._m, self.machine
+        spilled: list[CopyOut] = []
         with m._lock:
             if not room.resumable:
                 return False
-            need = room.blocks_needed(m.config.default_allocate_blocks)
-            if room.clone_concat:
+            if room.clone_concat:  # the reference strategy, measured as the fork runs it
                 self._copy_out(self._apply(room.on(Clone()))[1])
-            free = m.allocator.free_blocks
-            if free == 0:  # the room spills only rounds nothing is written into
-                self._copy_out(self._apply(room.on(Spill()))[1])
-                free = m.allocator.free_blocks
+            if m.allocator.free_blocks == 0:  # the room spills only rounds nothing is written into
+                spilled = self._apply(room.on(Spill()))[1]
+                self._spilling = bool(spilled)
+        if spilled:  # these rounds left the room: copied outside the lock (a 4K image is 75 MB)
+            try:
+                self._copy_out(spilled)
+            finally:
+                with m._lock:
+                    self._spilling = False
+                    self._notify()
+        with m._lock:
+            if not room.resumable:  # failed meanwhile
+                return False
+            need, free = room.blocks_needed(m.config.default_allocate_blocks), m.allocator.free_blocks
             blocks = m.allocator.allocate(min(need, free)) if free else None
             if blocks is None:
                 return False
@@ -288,6 +299,7 @@ class EmbeddingReceiver:
         """After the suspend ack: keep what landed in host memory and give every block back."""
         room = self.machine
         with self._m._lock:
+            self._changed.wait_for(lambda: not self._spilling)  # its rows go to the same host memory
             _, copies = self._apply(room.on(Checkpoint()))  # closed: nothing else touches it now
         self._copy_out(copies)  # outside the lock
         landed = copies[0].upto
@@ -393,8 +405,8 @@ class EmbeddingReceiver:
 
     def _copy_out(self, copies: list[CopyOut]) -> None:
         """Copy rounds a spill, clone or checkpoint gave out into host memory, then free their
-        blocks (under the manager's lock for a spill: a checkpoint of the room must not run
-        beside it; a checkpoint's own runs after its room closed, outside the lock)."""
+        blocks. A spill's and a checkpoint's run outside the lock (the rounds left the room; a
+        checkpoint waits for a spill of its room to end: both write ``_out``)."""
         m = self._m
         for given in copies:
             try:

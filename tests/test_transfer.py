@@ -109,6 +109,25 @@ def test_an_embedding_copied_at_assembly_is_copied_outside_the_managers_lock(mak
     assert lang.allocator.all_free()
 
 
+def test_a_spill_copies_outside_the_managers_lock(make_peer, make_language, monkeypatch) -> None:
+    """Issue 27: with no block free, a room's landed rounds are copied to host memory to make
+    room (a spill); the manager's lock is free meanwhile. Bytes still equal what was staged."""
+    peer, lang = make_peer(), make_language(num_blocks=128)
+    m = lang.manager
+    real_read_into = m.pool.read_into
+    lock_free_during_copy: list[bool] = []
+
+    def read_into(*args) -> None:  # noqa: ANN002
+        with ThreadPoolExecutor(1) as other:
+            lock_free_during_copy.append(other.submit(_try_lock, m._lock).result())
+        real_read_into(*args)
+
+    monkeypatch.setattr(m.pool, "read_into", read_into)
+    transfer(lang, peer, 7, 3 * 8192)  # the pool cannot hold it all at once
+    assert m.stats["spilled_tokens"] > 0 and lock_free_during_copy and all(lock_free_during_copy)
+    assert lang.allocator.all_free()
+
+
 def _try_lock(lock) -> bool:  # noqa: ANN001
     if not lock.acquire(timeout=1.0):
         return False
