@@ -340,8 +340,45 @@ class ReceiverRoom:
         out: list[Effect] = []
         if self.phase == R.CLOSED and not isinstance(event, _ANSWERED_WHEN_CLOSED):
             return out  # a closed room sends, frees and counts nothing more
-        handler = getattr(self, "_on_" + type(event).__name__)
-        handler(event, out)
+        match event:
+            case Init():
+                self._on_init(event, out)
+            case Resumed():
+                self._on_resumed(event, out)
+            case Spill():
+                self._on_spill(event, out)
+            case Clone():
+                self._on_clone(event, out)
+            case Abort():
+                self._on_abort(event, out)
+            case Suspend():
+                self._on_suspend(event, out)
+            case Assemble():
+                self._on_assemble(event, out)
+            case Checkpoint():
+                self._on_checkpoint(event, out)
+            case Restore():
+                self._on_restore(event, out)
+            case StatusIn():
+                self._on_status_in(event, out)
+            case SuspendAck():
+                self._on_suspend_ack(event, out)
+            case AbortAck():
+                self._on_abort_ack(event, out)
+            case SendFailed():
+                self._on_send_failed(event, out)
+            case PeerGone():
+                self._on_peer_gone(event, out)
+            case PeerDead():
+                self._on_peer_dead(event, out)
+            case PeerWoke():
+                self._on_peer_woke(event, out)
+            case Rebound():
+                self._on_rebound(event, out)
+            case Tick():
+                self._on_tick(event, out)
+            case _:
+                raise TypeError(f"room {self.room}: unknown event {event!r}")
         return out
 
     def _move(self, phase: ReceiverPhase) -> None:
@@ -349,7 +386,7 @@ class ReceiverRoom:
 
     # ---- language side -----------------------------------------------------------------------
 
-    def _on_Init(self, ev: Init, out: list[Effect]) -> None:
+    def _on_init(self, ev: Init, out: list[Effect]) -> None:
         if self.phase == R.CLOSED:  # e.g. its peer was declared dead meanwhile
             out.append(FreeBlocks(tuple(ev.block_ids)))
             return
@@ -361,7 +398,7 @@ class ReceiverRoom:
         self._move(R.WAITING)
         out.append(SendRound(tuple(ev.block_ids), None, register=True))
 
-    def _on_Resumed(self, ev: Resumed, out: list[Effect]) -> None:
+    def _on_resumed(self, ev: Resumed, out: list[Effect]) -> None:
         if not self.resumable or not ev.block_ids:
             raise ValueError(f"room {self.room}: no resume in phase {self.phase.name}")
         early = self.phase == R.EARLY
@@ -377,7 +414,7 @@ class ReceiverRoom:
         self._move(R.WAITING)
         out.append(SendRound(tuple(ev.block_ids), start))
 
-    def _on_Spill(self, ev: Spill, out: list[Effect]) -> None:
+    def _on_spill(self, ev: Spill, out: list[Effect]) -> None:
         # never spill a round still being written
         if self.phase not in (R.PARTIAL, R.RESTORED) or not self.rounds:
             return
@@ -386,13 +423,13 @@ class ReceiverRoom:
         out.append(Count("spilled_tokens", self.round_end - self.spilled))
         self.spilled = self.round_end
 
-    def _on_Clone(self, ev: Clone, out: list[Effect]) -> None:
+    def _on_clone(self, ev: Clone, out: list[Effect]) -> None:
         if self.phase not in (R.PARTIAL, R.RESTORED) or not self.rounds:
             return
         assert self.total_tokens is not None
         out.append(CopyOut(self._take_rounds(), min(self.round_end, self.total_tokens), "clone"))
 
-    def _on_Abort(self, ev: Abort, out: list[Effect]) -> None:
+    def _on_abort(self, ev: Abort, out: list[Effect]) -> None:
         """Fail at once and tell the encoder. Blocks the encoder may still be writing come back
         with its ack (or when it is found gone, or after the ack timeout); others at once."""
         if self.phase in (R.CLOSED, R.ABORTING) or not self.state.fail(ev.kind, ev.reason):
@@ -407,7 +444,7 @@ class ReceiverRoom:
         if self.extended:
             out.append(SendAbort())
 
-    def _on_Suspend(self, ev: Suspend, out: list[Effect]) -> None:
+    def _on_suspend(self, ev: Suspend, out: list[Effect]) -> None:
         """Ask the encoder to write nothing more (sleep); its ack ends SUSPENDING. A fork encoder
         is not asked: the status of the round it owes ends SUSPENDING."""
         if self.phase == R.RESTORED:  # the encoder still holds it suspended: nothing to ask
@@ -424,7 +461,7 @@ class ReceiverRoom:
             return
         out.append(SendSuspend())
 
-    def _on_Assemble(self, ev: Assemble, out: list[Effect]) -> None:
+    def _on_assemble(self, ev: Assemble, out: list[Effect]) -> None:
         if self.phase != R.LANDED:
             if self.state.status == KVPoll.Failed:  # cancelled or failed after its Success was read
                 raise self.state.failure(self.room)
@@ -433,7 +470,7 @@ class ReceiverRoom:
         out.append(CopyOut(self._take_rounds(), min(self.round_end, self.total_tokens), "assemble"))
         self._close(out)
 
-    def _on_Checkpoint(self, ev: Checkpoint, out: list[Effect]) -> None:
+    def _on_checkpoint(self, ev: Checkpoint, out: list[Effect]) -> None:
         if self.phase != R.SUSPENDED:
             raise RuntimeError(f"room {self.room}: cannot checkpoint in phase {self.phase.name}")
         if self.state.status == KVPoll.Transferring:
@@ -444,7 +481,7 @@ class ReceiverRoom:
         out.append(CopyOut(self._take_rounds(), landed, "checkpoint"))
         self._close(out)
 
-    def _on_Restore(self, ev: Restore, out: list[Effect]) -> None:
+    def _on_restore(self, ev: Restore, out: list[Effect]) -> None:
         if self.phase != R.CREATED:
             raise ValueError(f"room {self.room}: only a new room is restored")
         self.total_tokens, self.aux, self.resume_rounds = ev.total_tokens, ev.aux, ev.resume_rounds
@@ -453,7 +490,7 @@ class ReceiverRoom:
 
     # ---- the encoder and the peer watch ------------------------------------------------------
 
-    def _on_StatusIn(self, ev: StatusIn, out: list[Effect]) -> None:
+    def _on_status_in(self, ev: StatusIn, out: list[Effect]) -> None:
         if ev.status == KVPoll.Failed:  # the encoder stopped writing: the blocks are safe to free
             if self.state.status != KVPoll.Failed:
                 kind, text = parse_wire_reason(ev.reason)
@@ -518,7 +555,7 @@ class ReceiverRoom:
             self._move(R.EARLY)
         out.append(Notify())
 
-    def _on_SuspendAck(self, ev: SuspendAck, out: list[Effect]) -> None:
+    def _on_suspend_ack(self, ev: SuspendAck, out: list[Effect]) -> None:
         if ev.ours and self.phase == R.SUSPENDING:
             self._move(R.SUSPENDED)
             out.append(Notify())
@@ -526,12 +563,12 @@ class ReceiverRoom:
             # Suspended there on a SUSPEND we never sent: it would write nothing more until
             # we resumed it, which we would not know to do. Give it up (the abort ends it there).
             out.append(Count("foreign_suspend"))
-            self._on_Abort(Abort(FailureKind.ABORTED, f"{self.peer_name} suspended the room on a SUSPEND "
+            self._on_abort(Abort(FailureKind.ABORTED, f"{self.peer_name} suspended the room on a SUSPEND "
                                                       "this worker did not send", ev.now), out)
         else:
             out.append(Count("stale_message"))
 
-    def _on_AbortAck(self, ev: AbortAck, out: list[Effect]) -> None:
+    def _on_abort_ack(self, ev: AbortAck, out: list[Effect]) -> None:
         if ev.ours and self.phase == R.ABORTING:
             out.append(Count("abort_acked"))
             self._close(out)
@@ -545,30 +582,30 @@ class ReceiverRoom:
         else:
             out.append(Count("stale_message"))
 
-    def _on_SendFailed(self, ev: SendFailed, out: list[Effect]) -> None:
+    def _on_send_failed(self, ev: SendFailed, out: list[Effect]) -> None:
         # the encoder never got it; an aborting room still waits for its ack
         if self.phase not in (R.CLOSED, R.ABORTING):
             self.state.fail(FailureKind.PEER_UNREACHABLE, f"cannot reach {self.peer_name}")
             self._close(out)
 
-    def _on_PeerGone(self, ev: PeerGone, out: list[Effect]) -> None:
+    def _on_peer_gone(self, ev: PeerGone, out: list[Effect]) -> None:
         if self.phase == R.ABORTING:
             self._close(out)
 
-    def _on_PeerDead(self, ev: PeerDead, out: list[Effect]) -> None:
+    def _on_peer_dead(self, ev: PeerDead, out: list[Effect]) -> None:
         """A peer whose process is gone writes nothing more: the blocks come back at once. One that
         only stopped answering may still write when it comes back: abort, the blocks wait."""
         reason = f"{self.peer_name} is dead: {ev.why}"
         if self.phase in MAYBE_IN_FLIGHT and not ev.gone:
-            self._on_Abort(Abort(FailureKind.PEER_DEAD, reason, ev.now), out)
+            self._on_abort(Abort(FailureKind.PEER_DEAD, reason, ev.now), out)
         elif self.phase not in (R.LANDED, R.CLOSED) and (ev.gone or self.phase != R.ABORTING):
             self.state.fail(FailureKind.PEER_DEAD, reason)
             self._close(out)
 
-    def _on_PeerWoke(self, ev: PeerWoke, out: list[Effect]) -> None:
+    def _on_peer_woke(self, ev: PeerWoke, out: list[Effect]) -> None:
         self.last_progress = ev.now
 
-    def _on_Rebound(self, ev: Rebound, out: list[Effect]) -> None:
+    def _on_rebound(self, ev: Rebound, out: list[Effect]) -> None:
         """Ask the restarted encoder again for the round it owes this room. A round that starts
         at token 0 is asked for with an init, a later one with a resume; a restarted encoder
         restores exactly those two kinds of room from its checkpoint."""
@@ -580,7 +617,7 @@ class ReceiverRoom:
         if pending is not None:
             out.append(SendRound(pending.block_ids, start or None))
 
-    def _on_Tick(self, ev: Tick, out: list[Effect]) -> None:
+    def _on_tick(self, ev: Tick, out: list[Effect]) -> None:
         if self.phase == R.ABORTING:
             hold = ev.abort_ack_timeout if self.extended else ev.fork_abort_hold
             if ev.now - self.aborted_at > hold:
@@ -589,17 +626,17 @@ class ReceiverRoom:
                 self._close(out)
         elif ev.asleep_since is not None:
             if ev.now - ev.asleep_since > ev.max_sleep:
-                self._on_Abort(Abort(FailureKind.TIMEOUT, f"{self.peer_name} slept longer than {ev.max_sleep:g}s",
+                self._on_abort(Abort(FailureKind.TIMEOUT, f"{self.peer_name} slept longer than {ev.max_sleep:g}s",
                                      ev.now), out)
         elif self.phase in (R.WAITING, R.EARLY) and ev.now - self.last_progress > ev.waiting_timeout:
-            self._on_Abort(Abort(FailureKind.TIMEOUT, f"no data from {self.peer_name} within "
+            self._on_abort(Abort(FailureKind.TIMEOUT, f"no data from {self.peer_name} within "
                                                       f"{ev.waiting_timeout:g}s", ev.now), out)
 
     # ---- helpers -----------------------------------------------------------------------------
 
     def _fail_bad(self, what: str, now: float, out: list[Effect]) -> None:
         out.append(Count("bad_status"))
-        self._on_Abort(Abort(FailureKind.PROTOCOL, f"{self.peer_name} sent an inconsistent status: {what}", now), out)
+        self._on_abort(Abort(FailureKind.PROTOCOL, f"{self.peer_name} sent an inconsistent status: {what}", now), out)
 
     def _note_failure(self, out: list[Effect]) -> None:
         """Count a failed room against its encoder once, as soon as it failed (for /health)."""
