@@ -310,6 +310,8 @@ class EmbeddingSenderManager:
         return r
 
     def _world(self, r: SenderRoom, event: ev.Event) -> World:
+        if isinstance(event, ev.Tick):  # a timeout check needs only the time (it runs every 0.25 s)
+            return World(self.clock(), self._paused)
         sessions = r.sessions() | ({event.dst.session_id} if isinstance(event, ev.Init | ev.Resume) else set())
         return World(self.clock(), self._paused, frozenset(s for s in sessions if self.peers.writable(s)))
 
@@ -631,7 +633,7 @@ class EmbeddingSenderManager:
                 self._expire_ended(now)
                 if self._paused:
                     continue
-                for r in list(self._rooms.values()):
+                for r in [r for r in self._rooms.values() if r.live]:  # ended rooms have no wait to time out
                     self._dispatch(r, ev.Tick())
                 if now >= next_beat:
                     next_beat = now + self.config.heartbeat_interval
