@@ -20,6 +20,8 @@ from embedding_side.images import DEFAULT_DECODE_BYTES, DEFAULT_MAX_BYTES, DEFAU
 MODES = ("encode", "language")
 LANGUAGE_BACKENDS = ("sglang", "native")
 DEFAULT_KV_TOKENS = 65536
+DEFAULT_MAX_IMAGES = 16  # per request, as an encoder takes per /encode
+DEFAULT_MAX_BODY_BYTES = 64 << 20
 KV_HELP = ("bytes = tokens x 2 x layers x KV heads x head dim x dtype size: 2 KiB per token for the seeded "
            "1-layer model, 56 KiB for Qwen2.5-VL-7B in bf16, so the default is 128 MiB or 3.5 GiB; the "
            "worker prints its own at startup")
@@ -125,6 +127,13 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                         "hash of the image bytes and the encoders' preprocessing), least recently used dropped "
                         "first; a 4K image's embedding is 75 MB at hidden 3584; 0 turns it off (default "
                         "%(default)s = 1 GiB)")
+    e.add_argument("--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES, metavar="N",
+                   help="language side (SGLang's server): a request with more images gets 400 before any encoder is "
+                        "asked (SGLang's --limit-mm-data-per-request, which wins if given) (default %(default)s)")
+    e.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                   help="language side (SGLang's server): a request body over this gets 413, from its Content-Length "
+                        "before it is read, or as soon as a streamed body passes it (default %(default)s = "
+                        f"{DEFAULT_MAX_BODY_BYTES >> 20} MiB: a few large data: images)")
     g = parser.add_argument_group("embedding transfer")
     g.add_argument("--encoder", choices=["qwen", "fake"], default="qwen",
                    help="encode side: transformers Qwen2.5-VL tower, or the numpy fake for tests (default %(default)s)")

@@ -30,11 +30,12 @@ from typing import Any
 import numpy as np
 
 from connector import checkpoint
+from sglang_ext.language_flags import GENERATIONS_ROLE
 from sglang_ext.mm_receiver import EmbeddingUnavailable, image_sources
 
 log = logging.getLogger(__name__)
 
-ROLE = "sglang"
+ROLE = GENERATIONS_ROLE
 UNCLAIMED_SECONDS = 600.0
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, when a request names none
 

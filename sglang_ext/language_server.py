@@ -3,10 +3,11 @@
 ``python -m sglang.launch_server --disaggregation-mode language --encoder-urls ...`` (and
 ``--language-only``, and ``sglang serve``) starts SGLang's HTTP server, tokenizer manager,
 scheduler and detokenizer on ``--model-path`` unchanged, in SGLang's language-only mode (no
-vision tower loaded) with the ``zmq_to_tokenizer`` transfer backend. :func:`sglang_argv` turns
-our mode into SGLang's flags (the plugin re-parses them, so SGLang validates its own
-configuration); then five hooks on SGLang's ``TokenizerManager``, acting only in the process
-where :func:`arm` was called (the one that runs it):
+vision tower loaded) with the ``zmq_to_tokenizer`` transfer backend.
+:func:`sglang_ext.language_flags.sglang_argv` turns our mode into SGLang's flags (the plugin
+re-parses them, so SGLang validates its own configuration); then these hooks, mostly on SGLang's
+``TokenizerManager``, acting only in the process where :func:`arm` was called (the one that runs
+it):
 
 * around ``init_disaggregation``: SGLang's own set-up runs without its encoder side (no
   bootstrap registry, no upstream receiver), then its ``mm_receiver`` becomes ours
@@ -17,14 +18,18 @@ where :func:`arm` was called (the one that runs it):
   gets 503 at once; every other response gets its image transfer (``resume_rounds``, timings)
   in ``meta_info``;
 * around ``abort_request``: a request still waiting for its embedding is cancelled;
+* (on SGLang's ``OpenAIServingBase.handle_request``) a prompt too long for any context is
+  refused before SGLang's OpenAI routes tokenize it (:mod:`sglang_ext.prompt_bounds`);
 * around ``pause_generation`` / ``continue_generation``: the connector sleeps after SGLang
   pauses (and, with ``--checkpoint-dir``, SGLang's unfinished generations are written beside its
   checkpoint) and wakes before SGLang continues (a server started on such a checkpoint then
   submits the generations again).
 
-A 429 or 503 gets ``Retry-After`` (:class:`RetryAfter`). The connector's routes are added to
-SGLang's app beside its own: ``/sleep`` and ``/wake_up``, ``/epd/health`` (rooms, pool, parts)
-and ``/metrics`` (SGLang's metrics and the connector's ``epd_*``).
+In front of SGLang's app: the body bound, error scrubbing and ``Retry-After`` on 429/503
+(:mod:`sglang_ext.http_guards`); SGLang's admin routes that act on a path, host or object the
+client names need the admin key (:data:`CLIENT_NAMED_TARGETS`). The connector's routes are added
+to SGLang's app beside its own: ``/sleep``, ``/wake_up`` and ``/is_sleeping``, ``/epd/health``
+(rooms, pool, parts) and ``/metrics`` (SGLang's metrics and the connector's ``epd_*``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from typing import TYPE_CHECKING
 from fastapi import Request  # SGLang's server is FastAPI; this module runs only where it is installed
 
 from connector.failures import FailureKind, TransferFailure
+from sglang_ext.http_guards import BodyLimit, RetryAfter, ScrubErrors
+from sglang_ext.prompt_bounds import too_long
 from worker_infra.http import HTTPError, asleep_error, error_body, error_reply, sleep_params
 
 if TYPE_CHECKING:
@@ -48,10 +55,6 @@ if TYPE_CHECKING:
     from sglang_ext.mm_receiver import ResumableReceiver
 
 log = logging.getLogger(__name__)
-
-# Our mode's flags that SGLang's language-only mode is given instead.
-OUR_MODE_FLAGS = ("--disaggregation-mode", "--language-only", "--encoder-transfer-backend")
-SGLANG_FLAGS = ("--language-only", "--encoder-transfer-backend", "zmq_to_tokenizer")
 
 _pending: argparse.Namespace | None = None  # our flags, until this process's tokenizer manager starts
 
@@ -74,29 +77,6 @@ class Connected:
 
 
 _here: Connected | None = None
-
-
-def sglang_argv(argv: list[str]) -> list[str]:
-    """``argv`` with our language mode written as SGLang's language-only mode; on a CPU device,
-    SGLang's portable attention backend unless one is named."""
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in OUR_MODE_FLAGS:
-            skip = "=" not in arg and name != "--language-only"
-            continue
-        out.append(arg)
-    out += SGLANG_FLAGS
-    device = _flag_value(argv, "--device")
-    if (device or "cpu") == "cpu" and _flag_value(argv, "--attention-backend") is None:
-        out += ["--attention-backend", "torch_native"]
-    if device is None:
-        out += ["--device", "cpu"] if not _has_gpu() else []
-    return out
 
 
 def arm(ours: argparse.Namespace) -> None:
@@ -174,22 +154,65 @@ async def around_continue_generation(original, manager, obj, *args, **kwargs):
 def around_generate_request(original, manager, obj, *args, **kwargs):
     """A client asking again for a generation restored from disk gets its whole output; while the
     connector sleeps, a new request is refused at once (503, ``Retry-After``) instead of waiting
-    in SGLang's pause without a bound (with ``--queue-while-sleeping`` it waits); every other
-    request is SGLang's, with its image transfer in ``meta_info``."""
+    in SGLang's pause without a bound (with ``--queue-while-sleeping`` it waits); a request naming
+    an encoder by ``bootstrap_*`` (the two-request flow, not served here yet) is refused (403);
+    every other request is SGLang's, with its image transfer in ``meta_info``. A refusal keeps its
+    status on every route (see :func:`with_status`)."""
     if _here is None:
         return original(manager, obj, *args, **kwargs)
+    request = kwargs.get("request", args[0] if args else None)
     if _here.restored is not None and _here.restored.claims(obj):
         return _here.restored.answer(obj.rid)
     if _here.worker.is_sleeping() and not _here.worker.gate.queue_while_sleeping:
-        return _refused(asleep_error("language"))
-    return _here.receiver.annotated(obj, original(manager, obj, *args, **kwargs))
+        asleep = asleep_error("language")
+        stream = _refused(asleep.kind.http_status, str(asleep))
+    elif (why := too_long(obj, manager.context_len)) is not None:
+        stream = _refused(400, why)
+    elif any(getattr(obj, f"bootstrap_{name}", None) is not None for name in ("host", "port", "room")):
+        stream = _refused(403, "bootstrap_host/bootstrap_port/bootstrap_room (the two-request flow) are not served "
+                               "by this language server: send the images in image_data (or image_url parts)")
+    else:
+        stream = _here.receiver.annotated(obj, original(manager, obj, *args, **kwargs))
+    return with_status(stream, _openai_route(request))
 
 
-async def _refused(failure: TransferFailure):
+async def around_openai_request(original, serving, request, *args, **kwargs):
+    """SGLang's OpenAI routes tokenize a chat before it reaches ``generate_request``: a prompt too
+    long for any context is refused before that (:mod:`sglang_ext.prompt_bounds`)."""
+    if _here is not None and (why := too_long(request, serving.tokenizer_manager.context_len)) is not None:
+        return serving.create_error_response(why, status_code=400)
+    return await original(serving, request, *args, **kwargs)
+
+
+async def _refused(status: int, message: str):
     from sglang_ext.mm_receiver import EmbeddingUnavailable
 
-    raise EmbeddingUnavailable(failure.kind.http_status, str(failure))
+    raise EmbeddingUnavailable(status, message)
     yield  # an async generator, as SGLang's generate_request is
+
+
+def _openai_route(request) -> bool:
+    url = getattr(request, "url", None)
+    return url is not None and url.path.startswith("/v1/")
+
+
+async def with_status(stream, openai: bool):
+    """``stream`` with a refusal (:class:`EmbeddingUnavailable`, a ``ValueError``) raised as is
+    for SGLang's native routes, which answer a ``ValueError`` with its ``status_code``, and as an
+    ``HTTPException`` for its OpenAI routes, which answer every ``ValueError`` with 400."""
+    from fastapi import HTTPException
+
+    from sglang_ext.mm_receiver import EmbeddingUnavailable
+
+    try:
+        async for out in stream:
+            yield out
+    except EmbeddingUnavailable as exc:
+        if not openai:
+            raise
+        raise HTTPException(exc.status_code, str(exc)) from None
+    finally:
+        await stream.aclose()
 
 
 def around_abort_request(original, manager, rid: str = "", *args, **kwargs):
@@ -223,9 +246,13 @@ def _start_receiver(ours: argparse.Namespace, manager):
         worker.sleep(1, True)
     _here = Connected(ours, worker, receiver, restore_on_wake=from_disk)
     _add_routes(manager, worker, dispatch)
+    kv = f"{manager.server_args.max_total_tokens} tokens (--max-total-tokens)"
+    if ours.kv_budget is not None:
+        kv = f"{ours.kv_budget.describe()} (this mode's CPU default; --max-total-tokens to change)"
     log.info("epd-resume: SGLang's server is the language worker; embeddings arrive through the resumable connector "
-             "(zmq=tcp://%s:%d mooncake=%s pool=%dx%d tokens, encoders=%s)", config.host, worker.receivers.rank_port,
-             worker.transport.session_id, config.num_blocks, config.block_size, ",".join(ours.encoder_urls or []))
+             "(zmq=tcp://%s:%d mooncake=%s pool=%dx%d tokens, encoders=%s); KV pool: %s", config.host,
+             worker.receivers.rank_port, worker.transport.session_id, config.num_blocks, config.block_size,
+             ",".join(ours.encoder_urls or []), kv if manager.server_args.max_total_tokens else "SGLang's own sizing")
     return receiver
 
 
@@ -292,57 +319,58 @@ def _add_routes(manager, worker, dispatch) -> None:
     async def health():
         return ORJSONResponse(worker.health())
 
+    async def is_sleeping():
+        return ORJSONResponse({"is_sleeping": worker.is_sleeping()})
+
     async def metrics():
         """SGLang's own metrics (with ``--enable-metrics``) and the connector's ``epd_*`` ones;
         registered before SGLang mounts its ``/metrics``, so this route answers it."""
         text = b""
         if get_observability().enable_metrics:
             sglang_registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(sglang_registry)
+            sglang_registry.register(SGLangMetricsOnly(multiprocess.MultiProcessCollector(None)))
             text = generate_latest(sglang_registry)
         return Response(text + worker.metrics.render() + dispatch.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(RetryAfter, connector=worker)
+    app.add_middleware(ScrubErrors)
+    app.add_middleware(BodyLimit, max_bytes=_here.ours.max_request_body_bytes)  # outermost: before anything reads
+    _admin_only(app)
     # SGLang's API-key middleware (--admin-api-key, else --api-key) guards them as it does its own
     # /pause_generation; with no key configured they are open, as SGLang's are
     app.add_api_route("/sleep", auth_level(AuthLevel.ADMIN_OPTIONAL)(sleep), methods=["POST"])
     app.add_api_route("/wake_up", auth_level(AuthLevel.ADMIN_OPTIONAL)(wake_up), methods=["POST"])
     app.add_api_route("/epd/health", health, methods=["GET"])
+    app.add_api_route("/is_sleeping", is_sleeping, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
 
 
-class RetryAfter:
-    """ASGI middleware: a 429 or 503 without ``Retry-After`` (SGLang answers the connector's
-    refusals, and its own, without one) gets the connector's: 5 s while it sleeps, else 2 s."""
-
-    def __init__(self, app, connector: LanguageWorker) -> None:
-        self.app, self.connector = app, connector
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def send_with_retry_after(message) -> None:
-            if message["type"] == "http.response.start" and message["status"] in (429, 503):
-                headers = list(message.get("headers", []))
-                if not any(name.lower() == b"retry-after" for name, _ in headers):
-                    kind = FailureKind.ASLEEP if self.connector.is_sleeping() else FailureKind.OVERLOADED
-                    message = {**message, "headers": headers + [(b"retry-after", kind.retry_after.encode())]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_retry_after)
+# SGLang's admin routes that act on a path, host or serialized object the client names: they need
+# --admin-api-key (SGLang's ADMIN_FORCE: 401 without it, 403 when no admin key is configured)
+# instead of being open on a server started without keys.
+CLIENT_NAMED_TARGETS = ("/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_ipc",
+                        "/update_weights_from_distributed", "/init_weights_update_group",
+                        "/init_weights_send_group_for_remote_instance", "/send_weights_to_remote_instance",
+                        "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/start_profile",
+                        "/add_external_corpus", "/hicache/storage-backend", "/dumper/{method}", "/configure_logging",
+                        "/set_internal_state", "/pd_role_switch")
 
 
-def _flag_value(argv: list[str], flag: str) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
+def _admin_only(app) -> None:
+    from sglang.srt.utils.auth import AuthLevel
+
+    for route in app.router.routes:
+        if getattr(route, "path", None) in CLIENT_NAMED_TARGETS and getattr(route, "endpoint", None) is not None:
+            route.endpoint._auth_level = AuthLevel.ADMIN_FORCE
 
 
-def _has_gpu() -> bool:
-    import torch
+class SGLangMetricsOnly:
+    """SGLang's metrics from its processes' shared files, without the connector's: SGLang runs
+    prometheus-client in multiprocess mode, so the connector's counters land in those files too,
+    and would be shown twice beside its own registries' (a scrape refuses duplicate series)."""
 
-    return torch.cuda.is_available()
+    def __init__(self, collector) -> None:
+        self.collector = collector
+
+    def collect(self):
+        return (family for family in self.collector.collect() if not family.name.startswith("epd_"))

@@ -38,6 +38,8 @@ LANGUAGE_SERVER_HOOKS = {
     "pause_generation": "around_pause_generation",
     "continue_generation": "around_continue_generation",
 }
+OPENAI_REQUEST = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
+RESOLVED_DICT = "sglang.srt.server_args.ServerArgs.resolved_dict"  # what /server_info and the logs show
 TORCH_NATIVE_EXTEND = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
                        "_run_sdpa_forward_extend")
 # SGLang transfer backends and the Mooncake protocol each maps to (None: from --mooncake-protocol)
@@ -69,6 +71,8 @@ def register() -> None:
     for method, name in LANGUAGE_SERVER_HOOKS.items():
         HookRegistry.register(f"{TOKENIZER_MANAGER}.{method}", _language_server_hook(name), HookType.AROUND)
     HookRegistry.register(TORCH_NATIVE_EXTEND, _around_torch_native_extend, HookType.AROUND)
+    HookRegistry.register(OPENAI_REQUEST, _language_server_hook("around_openai_request"), HookType.AROUND)
+    HookRegistry.register(RESOLVED_DICT, _after_resolved_dict, HookType.AFTER)
 
 
 def _unsupported(message: str) -> None:
@@ -98,9 +102,14 @@ def _around_prepare_server_args(original, argv, *args, **kwargs):
         return server_args
     ours = worker_args(server_args, argv)
     if ours.language_backend == "sglang":  # SGLang's own server, fed by our connector
-        from sglang_ext.language_server import arm, sglang_argv
+        from sglang_ext.language_flags import distributed_init_method, kv_default, sglang_argv
+        from sglang_ext.language_server import arm
+        from sglang_ext.redact import redact_command_line
 
-        sglang_args = original(sglang_argv(argv), *args, **kwargs)
+        ours.kv_budget = kv_default(argv, ours)
+        sglang_args = original(sglang_argv(argv, ours), *args, **kwargs)
+        distributed_init_method(argv)
+        sglang_args._launch_command = redact_command_line(sglang_args.launch_command)
         arm(ours)
         return sglang_args
     from sglang_ext.launch_server import run
@@ -119,6 +128,12 @@ def _language_server_hook(name: str):
 
     hook.__qualname__ = f"epd_resume.{name}"
     return hook
+
+
+def _after_resolved_dict(result, *args, **kwargs):
+    from sglang_ext.redact import redact_fields
+
+    return redact_fields(result)
 
 
 def _around_torch_native_extend(original, *args, **kwargs):

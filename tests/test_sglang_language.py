@@ -13,6 +13,7 @@ import base64
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +30,7 @@ from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 from workers import SGLANG_READY, WorkerProcess, free_port
 
 from embedding_side.encoders import QwenVisionEncoder
+from sglang_ext.language_flags import cpu_kv_tokens
 
 pytestmark = pytest.mark.sglang
 
@@ -64,8 +66,10 @@ def workers(folder, tmp_path_factory):
     encode = WorkerProcess("encode", "--model-path", folder, "--admin-api-key", ADMIN_KEY)
     LANGUAGE_ARGS[:] = ["language", "--model-path", folder, "--encoder-urls", encode.url, "--max-total-tokens", "32768",
                         "--skip-server-warmup", "--enable-metrics"]
-    second_args = [*LANGUAGE_ARGS, "--checkpoint-dir", str(tmp_path_factory.mktemp("sglang-checkpoint")),
-                   "--admin-api-key", ADMIN_KEY]
+    # the second server on SGLang's defaults where the first names its own: its KV pool is this mode's
+    # CPU default, and it warms up at start (also when it starts again, asleep, on its checkpoint)
+    second_args = ["language", "--model-path", folder, "--encoder-urls", encode.url, "--enable-metrics",
+                   "--checkpoint-dir", str(tmp_path_factory.mktemp("sglang-checkpoint")), "--admin-api-key", ADMIN_KEY]
     with ThreadPoolExecutor(2) as pool:
         starting = [pool.submit(WorkerProcess, *args, command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
                     for args in (LANGUAGE_ARGS, second_args)]
@@ -158,6 +162,132 @@ def test_metrics_are_sglangs_and_the_connectors(workers, images) -> None:
     assert re.search(r"^sglang:prompt_tokens_total\{.*\} [1-9]", text, re.M), text[:3000]
     assert re.search(r'^epd_pool_blocks_free\{role="language"\} [1-9]', text, re.M), text[:3000]
     assert re.search(r'^epd_requests_total\{outcome="success",role="language"\} [1-9]', text, re.M), text
+
+
+def test_metrics_show_each_series_once(workers, images) -> None:
+    """A Prometheus scrape refuses a page with a series twice: SGLang's multiprocess files hold the
+    connector's counters too, which its own registry shows already."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, language = workers
+    assert generate(language, [images["448x448"]], "metrics-once").status_code == 200
+    assert generate(language, ["/etc/shadow"], "metrics-refused").status_code == 400  # failure counters too
+    text = requests.get(f"{language.url}/metrics", timeout=30).text
+    series = [(s.name, tuple(sorted(s.labels.items()))) for family in text_string_to_metric_families(text)
+              for s in family.samples]
+    repeated = {key for key in series if series.count(key) > 1}
+    assert not repeated and len(series) > 100, sorted(repeated)[:10]
+    assert any(name.startswith("epd_") for name, _ in series) and any(name.startswith("sglang:") for name, _ in series)
+
+
+def test_a_body_or_prompt_over_its_bound_is_refused_before_it_is_held(workers) -> None:
+    """A body over ``--max-request-body-bytes`` (64 MiB) is 413 from its Content-Length before any
+    byte of it is read, or, sent chunked, as soon as it passes the bound; a prompt too long for any
+    context is 400 before SGLang tokenizes it (a 20 MB ``text`` held the process at 4.5 GB for a
+    minute before). The server's memory stays where it was, and it serves on."""
+    _, language = workers
+    main = psutil.Process(language.proc.pid)
+    rss_before = main.memory_info().rss
+    host, port = language.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        raw.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100000000\r\n\r\n")
+        head = raw.recv(65536).decode()
+    assert head.startswith("HTTP/1.1 413") and "--max-request-body-bytes" in head, head
+
+    def chunks():
+        for _ in range(64):
+            yield b" " * (1 << 20)
+        yield b"{"  # one byte over the bound
+
+    started = time.monotonic()
+    chunked = requests.post(f"{language.url}/generate", data=chunks(), timeout=60,
+                            headers={"Content-Type": "application/json"})
+    assert chunked.status_code == 413 and "over this server's limit" in chunked.json()["message"], chunked.text
+    text = json.dumps({"text": "hello world " * 1_700_000, "sampling_params": {"max_new_tokens": 1}})
+    long_text = requests.post(f"{language.url}/generate", data=text, timeout=60,
+                              headers={"Content-Type": "application/json"})
+    assert long_text.status_code == 400 and "cannot fit the model's context" in long_text.text, long_text.text
+    chat = requests.post(f"{language.url}/v1/chat/completions", timeout=60, json={
+        "model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hello " * 200_000}]})
+    assert chat.status_code == 400 and "cannot fit the model's context" in chat.json()["message"], chat.text
+    assert time.monotonic() - started < 30
+    assert main.memory_info().rss - rss_before < 600 << 20
+    assert generate(language, [], "after-bounds", text="Hello").status_code == 200
+
+
+def test_more_images_than_the_cap_are_refused_before_any_encoder_is_asked(workers, images) -> None:
+    """``--max-images-per-request`` (16, SGLang's ``--limit-mm-data-per-request``): 400 for a
+    ``/generate`` with 17 images and a chat with 17 image parts; no part reaches an encoder."""
+    from openai import BadRequestError, OpenAI
+
+    _, language = workers
+
+    def parts_sent() -> float:
+        text = requests.get(f"{language.url}/metrics", timeout=30).text
+        return sum(float(v) for v in re.findall(r"^epd_encoder_parts_total\{.*\} (\S+)$", text, re.M))
+
+    before = parts_sent()
+    answer = generate(language, [images["448x448"]] * 17, "too-many-images")
+    assert answer.status_code == 400 and "exceeds limit 16" in answer.text, answer.text
+    client = OpenAI(base_url=f"{language.url}/v1", api_key="none", timeout=60, max_retries=0)
+    part = {"type": "image_url", "image_url": {"url": f"file://{images['448x448']}"}}
+    with pytest.raises(BadRequestError, match="exceeds limit 16"):
+        client.chat.completions.create(model="m", max_tokens=1, messages=[{"role": "user", "content": [part] * 17}])
+    assert parts_sent() == before
+
+
+def test_no_open_route_shows_a_secret_and_admin_routes_on_client_targets_need_the_key(workers) -> None:
+    """With ``--admin-api-key``: ``/server_info`` and ``/get_server_info`` (open routes) and the log
+    show no key, not even in ``launch_command``. Routes that act on a path, host or object the
+    client names need the admin key: 401 without it, and 403 on a server started without one
+    (SGLang leaves them open there)."""
+    second, (_, language) = SECOND[-1], workers
+    for path in ("/server_info", "/get_server_info"):
+        info = requests.get(f"{second.url}{path}", timeout=30)
+        assert info.status_code == 200 and ADMIN_KEY not in info.text, path
+        assert info.json()["admin_api_key"] == "<redacted>" and "--admin-api-key <redacted>" in info.json()[
+            "launch_command"]
+    assert not [line for line in second.log if ADMIN_KEY in line]
+    body = {"model_path": "/etc"}
+    assert requests.post(f"{second.url}/update_weights_from_disk", json=body, timeout=30).status_code == 401
+    assert requests.post(f"{language.url}/update_weights_from_disk", json=body, timeout=30).status_code == 403
+    assert requests.post(f"{language.url}/load_lora_adapter", timeout=30,
+                         json={"lora_name": "x", "lora_path": "/etc"}).status_code == 403
+
+
+def test_on_a_cpu_the_kv_pool_fits_the_machine(workers, folder) -> None:
+    """Without ``--max-total-tokens`` our mode sizes SGLang's KV pool on a CPU (the smaller of 1/8
+    of the memory and 4 contexts), says so when it starts, and the scheduler stays small (SGLang's
+    own sizing took 6.3 M tokens, 15 GB resident)."""
+    second = SECOND[-1]
+    budget = cpu_kv_tokens(folder)
+    assert requests.get(f"{second.url}/server_info", timeout=30).json()["max_total_tokens"] == budget.tokens
+    assert any("this mode's CPU default" in line and f"{budget.tokens} tokens" in line for line in second.log)
+    scheduler = max(psutil.Process(second.proc.pid).children(recursive=True), key=lambda p: p.memory_info().rss)
+    assert scheduler.memory_info().rss < 4 << 30
+
+
+def test_only_the_hosts_address_is_listened_on_by_sglangs_processes(workers) -> None:
+    """``--host 127.0.0.1``: SGLang's scheduler and detokenizer listen on nothing else (its
+    torch.distributed store listened on every interface; with one rank it is a file store now).
+    The main process's other listeners are Mooncake's (README: what each port accepts)."""
+    _, language = workers
+    for child in psutil.Process(language.proc.pid).children(recursive=True):
+        listening = [c.laddr for c in child.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        assert all(addr.ip == "127.0.0.1" for addr in listening), (child.name(), listening)
+
+
+def test_small_routes_and_refusals_say_whose_fault_it_is(workers) -> None:
+    """``/is_sleeping`` is served; ``bootstrap_*`` (the two-request flow) is refused, not ignored;
+    an error answer quotes no server path or stack frame."""
+    _, language = workers
+    assert requests.get(f"{language.url}/is_sleeping", timeout=10).json() == {"is_sleeping": False}
+    named = generate(language, [], "bootstrap", text="Hello", bootstrap_host="127.0.0.1", bootstrap_port=8998,
+                     bootstrap_room=7)
+    assert named.status_code == 403 and "two-request flow" in named.text, named.text
+    no_json = requests.post(f"{language.url}/generate", data=b'{"text": "hi"}', timeout=30)  # not application/json
+    assert no_json.status_code == 400 and ".py" not in no_json.text and 'File \\"' not in no_json.text, no_json.text
 
 
 def test_the_stream_is_sglangs_own(workers, images, reference) -> None:
@@ -392,7 +522,9 @@ def test_a_language_server_killed_asleep_restarts_from_disk_and_its_requests_go_
     """``/sleep?level=2&preserve_state=true`` with ``--checkpoint-dir`` while one stream decodes and
     a 4K image is still at the encoder, then kill -9 and a start on the same folder: the server
     boots asleep (a new request gets 503), and after ``/wake_up`` both go on; each client asking
-    again by rid gets the whole output. The 4K answer equals monolithic; the stream's ids begin
+    again by rid gets the whole output. The server starts on SGLang's defaults: its warm-up (a
+    generation, which a sleeping server refuses, and whose failure ended SGLang's server) is
+    skipped when it starts asleep. The 4K answer equals monolithic; the stream's ids begin
     with those sent before the kill and, for the first 12, with monolithic's (longer greedy runs
     of this random model part from transformers' at a bf16 near-tie, see the mid-decode test)."""
     language = SECOND[-1]
@@ -480,5 +612,15 @@ def test_an_encoders_death_is_a_clear_error_and_the_server_lives_on(workers, ima
     answer = generate(language, [images["448x448"]], "no-encoder")
     assert answer.status_code == 502, answer.text
     assert "no encoder could encode" in answer.json()["error"]["message"]
+    from openai import APIStatusError, OpenAI
+
+    client = OpenAI(base_url=f"{language.url}/v1", api_key="none", timeout=60, max_retries=0)
+    data = base64.b64encode(open(images["448x448"], "rb").read()).decode()
+    content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}]
+    for stream in (False, True):  # the same status as /generate's on the OpenAI route, streamed or not
+        with pytest.raises(APIStatusError, match="no encoder could encode") as refused:
+            client.chat.completions.create(model="m", max_tokens=2, stream=stream,
+                                           messages=[{"role": "user", "content": content}])
+        assert refused.value.status_code == 502
     text = generate(language, [], "text-only", text="Hello")
     assert text.status_code == 200 and len(text.json()["output_ids"]) == NEW_TOKENS

@@ -1,0 +1,151 @@
+"""ASGI middlewares our language mode puts in front of SGLang's FastAPI app.
+
+* :class:`BodyLimit`: every request body is bounded (``--max-request-body-bytes``): 413 from
+  ``Content-Length`` before anything is read, or as soon as a body sent without one (chunked)
+  passes the bound; nothing beyond the bound is held, nothing is parsed.
+* :class:`ScrubErrors`: an error answer never carries a server path or a stack frame (FastAPI's
+  validation errors quote the endpoint's file and line; exceptions' texts may name files).
+* :class:`RetryAfter`: a 429 or 503 without ``Retry-After`` gets the connector's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from connector.failures import FailureKind
+
+if TYPE_CHECKING:
+    from language_side.worker import LanguageWorker
+
+Scope = dict
+Message = dict
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# a Python stack frame's line ('File "/x/y.py", line 3, in f'), raw or inside a JSON string
+_FRAME = re.compile(r'(\\n|\n)?[ \t]*File \\?"[^"\\]+\\?", line \d+(, in [\w<>.]+)?')
+_SOURCE_PATH = re.compile(r"(?<![\w.])/(?:[\w.+-]+/)+[\w.+-]+\.py\b")
+
+
+async def _answer(send: Send, status: int, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "code": status}, "object": "error", "message": message,
+                       "code": status}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return await _answer(send, 413, self._too_large(declared.decode("latin-1")))
+        received = 0
+        refused = started = False
+
+        async def bounded_receive() -> Message:
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request" and not refused:
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    refused = True
+                    if not started:
+                        await _answer(send, 413, self._too_large(f"more than {self.max_bytes}"))
+                    return {"type": "http.disconnect"}  # the app stops reading; what it answers is dropped
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if refused:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, guarded_send)
+        except Exception:
+            if not refused:
+                raise
+            # the app failed on the disconnect it was handed (Starlette's ClientDisconnect): the
+            # client has its 413
+
+    def _too_large(self, size: str) -> str:
+        return (f"request body of {size} bytes is over this server's limit of {self.max_bytes} bytes "
+                f"(--max-request-body-bytes)")
+
+
+class ScrubErrors:
+    """Error answers (4xx, 5xx) with JSON or text bodies lose stack frames and source paths."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        held: Message | None = None  # an error's response start, until its body is known
+        chunks: list[bytes] = []
+
+        async def scrubbing_send(message: Message) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start":
+                if message["status"] >= 400 and _declares_length(message):  # a body the app holds whole
+                    held = message
+                    return
+                return await send(message)
+            if held is None or message["type"] != "http.response.body":
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = scrub(b"".join(chunks))
+            headers = [(k, v) for k, v in held.get("headers", []) if k.lower() != b"content-length"]
+            await send({**held, "headers": headers + [(b"content-length", str(len(body)).encode())]})
+            held = None
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, scrubbing_send)
+
+
+def _declares_length(start: Message) -> bool:
+    """Whether a response says its length (a stream does not: it passes as it is)."""
+    return any(name.lower() == b"content-length" for name, _ in start.get("headers", []))
+
+
+def scrub(body: bytes) -> bytes:
+    """``body`` without stack frames and paths of Python source files."""
+    text = body.decode("utf-8", errors="replace")
+    cleaned = _SOURCE_PATH.sub("<server file>", _FRAME.sub("", text))
+    return cleaned.encode() if cleaned != text else body
+
+
+class RetryAfter:
+    """A 429 or 503 without ``Retry-After`` (SGLang answers the connector's refusals, and its own,
+    without one) gets the connector's: 5 s while it sleeps, else 2 s."""
+
+    def __init__(self, app, connector: LanguageWorker) -> None:
+        self.app, self.connector = app, connector
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_retry_after(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] in (429, 503):
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"retry-after" for name, _ in headers):
+                    kind = FailureKind.ASLEEP if self.connector.is_sleeping() else FailureKind.OVERLOADED
+                    message = {**message, "headers": headers + [(b"retry-after", kind.retry_after.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_retry_after)

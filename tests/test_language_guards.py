@@ -1,0 +1,141 @@
+"""What our language mode puts around SGLang's server, in this process: the ASGI guards (body
+bound, error scrubbing), the prompt bound, secret redaction, the flags it gives SGLang, and the
+``/health`` of a peer whose rooms failed. The same things on SGLang's running server:
+``tests/test_sglang_language.py``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from connector.failures import FailureKind
+from connector.peer_health import FailingPeers
+from sglang_ext.http_guards import BodyLimit, ScrubErrors, scrub
+from sglang_ext.language_flags import cpu_kv_tokens, sglang_argv
+from sglang_ext.prompt_bounds import MAX_BATCH_CHARS, too_long
+from sglang_ext.redact import redact_command_line, redact_fields
+
+pytestmark = pytest.mark.fast
+
+LIMIT = 1000
+
+
+def guarded_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request):
+        return JSONResponse({"bytes": len(await request.body())})
+
+    @app.post("/boom")
+    async def boom():
+        return JSONResponse({"message": 'failed\n  File "/srv/app/sglang/x.py", line 12, in handler\nat /opt/y.py'},
+                            status_code=500)
+
+    app.add_middleware(ScrubErrors)
+    app.add_middleware(BodyLimit, max_bytes=LIMIT)
+    return app
+
+
+def post(path: str, content, headers: dict | None = None) -> httpx.Response:
+    async def send() -> httpx.Response:
+        transport = httpx.ASGITransport(app=guarded_app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post(path, content=content, headers=headers or {})
+
+    return asyncio.run(send())
+
+
+def test_a_body_at_the_bound_passes_and_one_byte_more_is_413_declared_or_streamed() -> None:
+    assert (post("/echo", b"x" * LIMIT)).json() == {"bytes": LIMIT}
+    declared = post("/echo", b"x" * (LIMIT + 1))
+    assert declared.status_code == 413 and "--max-request-body-bytes" in declared.json()["message"]
+
+    async def stream():
+        for _ in range(LIMIT // 100 + 1):
+            yield b"y" * 100
+
+    streamed = post("/echo", stream())  # no Content-Length: chunked
+    assert streamed.status_code == 413 and "more than 1000" in streamed.json()["message"]
+    bogus = post("/echo", b"{}", headers={"content-length": "-5"})
+    assert bogus.status_code == 413
+
+
+def test_error_answers_lose_stack_frames_and_source_paths() -> None:
+    answer = post("/boom", b"")
+    assert answer.status_code == 500
+    message = answer.json()["message"]
+    assert message.startswith("failed") and ".py" not in message and "File" not in message, message
+    assert int(answer.headers["content-length"]) == len(answer.content)
+
+
+def test_scrub_leaves_clean_bodies_alone_and_handles_json_escapes() -> None:
+    clean = b'{"error": "image 3 is not a PNG"}'
+    assert scrub(clean) is clean
+    escaped = json.dumps({"message": 'bad body\n\n  File "/a/b/http_server.py", line 928, in generate_request\n'
+                                     "    POST /generate"}).encode()
+    cleaned = json.loads(scrub(escaped))["message"]
+    assert "http_server.py" not in cleaned and cleaned.startswith("bad body") and "POST /generate" in cleaned
+
+
+def test_prompts_too_long_for_any_context_are_refused_before_tokenizing() -> None:
+    from types import SimpleNamespace as Req
+
+    assert too_long(Req(text="a" * 16 * 100), 100) is None
+    assert "cannot fit the model's context of 100" in too_long(Req(text="a" * (16 * 100 + 1)), 100)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 10**6}}
+    chat = Req(messages=[{"role": "user", "content": [image, {"type": "text", "text": "x" * 900}]},
+                         {"role": "assistant", "content": "y" * 900}])
+    assert "1800 characters" in too_long(chat, 100)  # the conversation counts whole, images not at all
+    batch = Req(text=["z" * 1_000_000] * 5)  # each fits a 100K context; together over the batch bound
+    assert too_long(batch, 100_000) is not None and str(MAX_BATCH_CHARS) in too_long(batch, 100_000)
+
+
+def test_secrets_are_redacted_in_fields_and_command_lines() -> None:
+    fields = redact_fields({"admin_api_key": "K", "api_key": None, "ssl_keyfile_password": "p", "port": 1})
+    assert fields == {"admin_api_key": "<redacted>", "api_key": None, "ssl_keyfile_password": "<redacted>", "port": 1}
+    line = redact_command_line("--model-path m --admin-api-key K --api-key=A --control-secret S --port 8")
+    assert line == ("--model-path m --admin-api-key <redacted> --api-key=<redacted> --control-secret <redacted> "
+                    "--port 8")
+    assert redact_command_line(["--api-key", "--api-key"]) == "--api-key <redacted>"
+
+
+def test_our_language_mode_gives_sglang_its_bounds_and_cpu_defaults(tmp_path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {"text_config": {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+                              "hidden_size": 512, "max_position_embeddings": 4096}}
+    (folder / "config.json").write_text(json.dumps(config))
+    budget = cpu_kv_tokens(str(folder), memory=8 << 30)  # 2 x 4 x 2 x 64 x 2 = 2 KiB a token
+    assert budget.bytes_per_token == 2048 and budget.tokens == 4 * 4096  # 4 contexts < 1 GiB's 512K tokens
+    assert cpu_kv_tokens(str(folder), memory=64 << 20).tokens == (64 << 20) // 8 // 2048
+    ours = argparse.Namespace(model_path=str(folder), max_images_per_request=5, checkpoint_dir=None, kv_budget=budget)
+    argv = sglang_argv(["--disaggregation-mode", "language", "--model-path", str(folder), "--device", "cpu"], ours)
+    assert argv[argv.index("--max-total-tokens") + 1] == str(budget.tokens)
+    assert json.loads(argv[argv.index("--limit-mm-data-per-request") + 1]) == {"image": 5}
+    assert "--disaggregation-mode" not in argv and "--skip-server-warmup" not in argv
+    own = sglang_argv(["--language-only", "--limit-mm-data-per-request", '{"image": 2}', "--device", "cpu"],
+                      argparse.Namespace(**{**vars(ours), "kv_budget": None}))
+    assert own.count("--limit-mm-data-per-request") == 1 and "--max-total-tokens" not in own
+
+
+def test_a_peers_failures_stop_degrading_health_once_they_stop() -> None:
+    now = [0.0]
+    peers = FailingPeers(threshold=3, window=30.0, clock=lambda: now[0])
+    for _ in range(3):
+        peers.failed("encoder-a", FailureKind.PEER_DEAD, "gone")
+    assert [p["peer"] for p in peers.report()] == ["encoder-a"]
+    now[0] = 29.0
+    assert peers.report()
+    now[0] = 31.0  # no failure of it for the window: its other peers serve, the worker is not degraded
+    assert peers.report() == []
+    peers.failed("encoder-a", FailureKind.PEER_DEAD, "gone again")  # still counted: one more failure lists it
+    assert peers.report()[0]["rooms_failed_in_a_row"] == 4
+    peers.succeeded("encoder-a")
+    assert peers.report() == []
