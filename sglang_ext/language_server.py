@@ -78,7 +78,8 @@ _here: Connected | None = None
 
 def sglang_argv(argv: list[str]) -> list[str]:
     """``argv`` with our language mode written as SGLang's language-only mode; on a CPU device,
-    SGLang's portable attention backend unless one is named."""
+    SGLang's portable attention backend unless one is named, and the scheduling flags of
+    :func:`_cpu_scheduling`."""
     out: list[str] = []
     skip = False
     for arg in argv:
@@ -95,8 +96,20 @@ def sglang_argv(argv: list[str]) -> list[str]:
     if (device or "cpu") == "cpu" and _flag_value(argv, "--attention-backend") is None:
         out += ["--attention-backend", "torch_native"]
     if device is None:
-        out += ["--device", "cpu"] if not _has_gpu() else []
+        device = "cuda" if _has_gpu() else "cpu"
+        out += ["--device", "cpu"] if device == "cpu" else []
+    if device == "cpu":
+        out += _cpu_scheduling(argv)
     return out
+
+
+def _cpu_scheduling(argv: list[str]) -> list[str]:
+    """SGLang's scheduling flags for a CPU (docs/scheduling.md), each unless the command line
+    names it: the scheduler sleeps while idle (else it busy-polls a whole core, one the encoders
+    on the same host need while it waits for their embeddings), and running requests decode
+    within every prefill chunk (else each of them waits out every chunk of a long prompt, and
+    every answer waits for the last prefill)."""
+    return [flag for flag in ("--sleep-on-idle", "--enable-mixed-chunk") if flag not in argv]
 
 
 def arm(ours: argparse.Namespace) -> None:
