@@ -5,6 +5,7 @@ language-only mode with the ``zmq_to_tokenizer`` transfer backend (the plugin re
 result, so SGLang validates its own configuration). Where the user left them out:
 
 * on a CPU, ``--attention-backend torch_native`` (the portable one) and ``--device cpu``;
+* on a CPU, ``--sleep-on-idle`` and ``--enable-mixed-chunk`` (:data:`CPU_SCHEDULING`);
 * on a CPU, ``--max-total-tokens`` sized to the machine (:func:`cpu_kv_tokens`): SGLang sizes
   its KV pool on a CPU from a fraction of all host memory (6.3 M tokens, 15 GB resident, for the
   seeded 2-layer model on a 24 GiB machine), which leaves no room for a second server or for a
@@ -33,6 +34,10 @@ import tempfile
 # Our mode's flags that SGLang's language-only mode is given instead.
 OUR_MODE_FLAGS = ("--disaggregation-mode", "--language-only", "--encoder-transfer-backend")
 SGLANG_FLAGS = ("--language-only", "--encoder-transfer-backend", "zmq_to_tokenizer")
+# On a CPU (docs/scheduling.md): the scheduler sleeps while idle (else it busy-polls a whole core,
+# one the encoders on the same host need while it waits for their embeddings), and running
+# requests decode within every prefill chunk (else each waits out every chunk of a long prompt).
+CPU_SCHEDULING = ("--sleep-on-idle", "--enable-mixed-chunk")
 CPU_KV_MEMORY_SHARE = 8  # on a CPU, the KV pool takes at most 1/8 of the machine's memory
 CPU_KV_CONTEXTS = 4  # ... and at most 4 of the model's context lengths
 GENERATIONS_ROLE = "sglang"  # the disk checkpoint of SGLang's generations (sglang_ext.generations)
@@ -60,6 +65,8 @@ def sglang_argv(argv: list[str], ours: argparse.Namespace) -> list[str]:
         out += ["--attention-backend", "torch_native"]
     if device is None and on_cpu:
         out += ["--device", "cpu"]
+    if on_cpu:
+        out += [flag for flag in CPU_SCHEDULING if flag not in argv]
     if ours.kv_budget is not None:  # kv_default's
         out += ["--max-total-tokens", str(ours.kv_budget.tokens)]
     if flag_value(argv, "--limit-mm-data-per-request") is None:

@@ -171,6 +171,15 @@ def test_the_language_mode_is_sglangs_own_server_by_default(parsed, mode) -> Non
         "device": "'cpu'", "attention_backend": "'torch_native'"}
 
 
+def test_on_a_cpu_small_requests_do_not_wait_for_big_ones(parsed) -> None:
+    """On a CPU our language mode gives SGLang's scheduler the flags of docs/scheduling.md: it
+    sleeps while idle instead of spinning a core the encoders need, and running requests decode
+    within every prefill chunk instead of waiting out a long prompt's chunks."""
+    sglang = line(parsed["default-mode"].stdout, "SGLANG")
+    assert {k: sglang[k] for k in ("sleep_on_idle", "enable_mixed_chunk")} == {
+        "sleep_on_idle": "True", "enable_mixed_chunk": "True"}
+
+
 def test_our_own_launcher_refuses_the_sglang_backend() -> None:
     res = subprocess.run([sys.executable, "-m", "sglang_ext.launch_server", "--disaggregation-mode", "language",
                           "--language-backend", "sglang"], capture_output=True, text=True, timeout=120)
