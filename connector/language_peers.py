@@ -16,17 +16,33 @@ honest about being alive:
 Peers built from the reference fork get none of this (they do not parse a ping): their rooms
 end by the bootstrap and resume timeouts, as in the fork.
 
-Registration belongs to its owner. A register that names an endpoint another session already
-registered is added beside it, never in its place; the endpoint is pinged (ping numbers are
-unguessable), and the session that answers from there is the one living at that endpoint:
-every other session registered there is dropped (a restarted or woken worker's old session, or
-an impostor's). A register that would change what a session of ours already registered (its
-pool: a woken worker registers a new one; or its endpoint) is a *claim*, taken only once that
-session's endpoint settles it: the claim is taken when the endpoint answers a ping with the
-claim's generation, or answers no ping for ``max_misses`` intervals (the process is gone); it
-is dropped when the endpoint answers with another generation, or answers at all while the claim
-names another endpoint. No write to the session starts while a claim is open. A fork peer's
-session cannot answer pings: a register moving it elsewhere is refused while it has live rooms.
+A registration belongs to its endpoint: it is keyed by the Mooncake session *and* the ZMQ
+endpoint that registered it (:data:`PeerKey`), and only that endpoint's inits and resumes are
+served from it. A register naming a session already registered at another endpoint is added
+beside it and takes nothing from it. Without the shared secret nothing proves that an endpoint
+belongs to the session it names (a register may name any session, and ``localhost:PORT`` or
+another address of the host reaches the same engine as ``127.0.0.1:PORT``), so a register
+from elsewhere is served to whoever sent it, as one under a session name of its own would be:
+it can never keep the session's own endpoint out, whether it came first or later.
+
+At one endpoint, the endpoint itself settles which pool is its own. A registration is written
+only once its endpoint has answered a ping with the pool's generation (its first write waits one
+ping round trip). A register that would change what an endpoint registered (another pool: a
+woken worker registers a new one, or a forged one) is a *claim* beside it: no write to the
+registration starts while a claim is open, and the next answer settles it: the pool whose
+generation the endpoint answers with is kept, the others are dropped; a pool that nothing
+proved yet holds no priority (a register forged before the worker's own first one is settled
+by the same answer, even when it names a newer generation). The endpoint that stays silent for
+``max_misses`` intervals settles nothing: the newest claim is kept, unproven. A register that
+names an endpoint another session registered is added beside it; the endpoint is pinged (ping
+numbers are unguessable), and the session that answers from there is the one living at that
+endpoint: every other session registered there is dropped (a restarted worker's old session,
+or an impostor's).
+
+Fork peers cannot answer pings: their registrations are never settled by one, and a register at
+their endpoint replaces what was there (until a pong proved an endpoint ours, a fork-shaped
+register there is taken as a fork peer's: a fork peer must never get a ping). An older
+generation than a pool its endpoint proved is refused as a replay.
 """
 
 from __future__ import annotations
@@ -85,12 +101,15 @@ class StallWatch:
         self._thread.join(timeout=1)
 
 
-MAX_PEERS = 4096  # registered sessions; beyond it the oldest idle one is forgotten
+MAX_PEERS = 4096  # registrations; beyond it the oldest idle one is forgotten
+MAX_CLAIMS = 4  # pools registered at one endpoint beside the one it holds, until a pong settles them
+
+PeerKey = tuple[str, str, int]  # (Mooncake session, ZMQ endpoint, port): one registration
 
 
-@dataclass
+@dataclass(frozen=True)
 class LanguagePeer:
-    """A language session that sent ``register`` (keyed by its Mooncake session id)."""
+    """One pool, as a ``register`` described it."""
 
     endpoint: str
     port: int
@@ -99,10 +118,6 @@ class LanguagePeer:
     num_blocks: int | None  # set when its register carried our extension frames
     item_lens: tuple[int, ...] | None
     mismatch: str  # why its pool cannot receive from ours; empty when compatible
-    confirmed_epoch: int = -1  # stall epoch in which it last answered a ping
-    pings: dict[int, int] = field(default_factory=dict)  # unanswered ping seq -> stall epoch when sent
-    misses: int = 0  # heartbeat intervals in a row that ended with a ping unanswered
-    order: int = 0  # registers seen before this one
 
     @property
     def extended(self) -> bool:
@@ -114,181 +129,219 @@ class LanguagePeer:
         return self.endpoint, self.port
 
     def same_pool(self, other: LanguagePeer) -> bool:
-        return (self.address, self.base_ptrs, self.num_blocks, self.item_lens) == (
-            other.address, other.base_ptrs, other.num_blocks, other.item_lens)
+        return (self.address, self.base_ptrs, self.generation, self.num_blocks, self.item_lens) == (
+            other.address, other.base_ptrs, other.generation, other.num_blocks, other.item_lens)
+
+    def describe(self) -> str:
+        return f"{self.endpoint}:{self.port} generation {self.generation}"
+
+
+@dataclass
+class Registration:
+    """What one endpoint registered for one session, and what it proved.
+
+    ``held`` is the pool writes use; ``claims`` are other pools registered there since, newest
+    last, until the endpoint's next answer says which one is its own. ``confirmed_epoch`` is the
+    stall epoch in which the endpoint last answered a ping with ``held``'s generation (-1: it
+    never did, or its last answer named a pool registered nowhere here)."""
+
+    held: LanguagePeer
+    order: int  # registers seen before this registration's first
+    claims: list[LanguagePeer] = field(default_factory=list)
+    confirmed_epoch: int = -1
+    pings: dict[int, int] = field(default_factory=dict)  # unanswered ping seq -> stall epoch when sent
+    misses: int = 0  # heartbeat intervals in a row that ended with a ping unanswered
+
+    @property
+    def proven(self) -> bool:
+        """Its endpoint answered a ping with ``held``'s generation (in some epoch)."""
+        return self.confirmed_epoch >= 0
+
+    def pools(self) -> list[LanguagePeer]:
+        """Every pool registered here, newest first."""
+        return [*reversed(self.claims), self.held]
 
 
 @dataclass
 class PongOutcome:
-    confirmed: bool  # the answering session may be written now
-    dropped: list[tuple[str, LanguagePeer]]  # sessions that no longer live at the answering endpoint
-    answering: LanguagePeer | None
-    refused_claim: str = ""  # why a register the answer settled was dropped ("" if none was)
+    confirmed: bool  # the answering registration may be written now
+    dropped: list[tuple[PeerKey, Registration]]  # registrations of sessions that no longer live at that endpoint
+    answering: PeerKey
+    order: int  # of the answering registration
+    refused: list[str] = field(default_factory=list)  # why each pool the answer settled against was dropped
 
 
 class LanguagePeers:
-    """Registered language sessions and their liveness. Not thread-safe: the sender manager
+    """Registered language endpoints and their liveness. Not thread-safe: the sender manager
     calls it under its lock."""
 
     def __init__(self, push: PushSockets, host: str, rank_port: int, interval: float, max_misses: int) -> None:
         self._push, self._host, self._rank_port = push, host, rank_port
         self.interval, self.max_misses = interval, max_misses
         self.stall = StallWatch(threshold=max(1.0, interval / 2))
-        self._peers: dict[str, LanguagePeer] = {}
-        self._claims: dict[str, LanguagePeer] = {}  # session -> a register its endpoint has not settled yet
+        self._regs: dict[PeerKey, Registration] = {}  # least recently registered first
         self._seq = 0
         self._registers = 0
 
-    def get(self, session: str) -> LanguagePeer | None:
-        return self._peers.get(session)
+    def get(self, key: PeerKey) -> LanguagePeer | None:
+        """The pool writes to ``key`` use (None: nothing registered there)."""
+        reg = self._regs.get(key)
+        return None if reg is None else reg.held
+
+    def pools(self, key: PeerKey) -> list[LanguagePeer]:
+        """Every pool registered at ``key``, newest first: a round request is served when one fits
+        (the one its endpoint answers for is the one written, and checked again then)."""
+        reg = self._regs.get(key)
+        return [] if reg is None else reg.pools()
+
+    def addresses_of(self, session: str) -> list[tuple[str, int]]:
+        """The endpoints that registered ``session``."""
+        return [(host, port) for s, host, port in self._regs if s == session]
 
     def speaks_ours_at(self, host: str, port: int) -> bool:
-        """Whether the process at ``host:port`` parses our extension frames: something registered
-        there, all of it with our extension frames (a fork peer there must get nothing else, even
-        when a stranger registered that address as ours)."""
-        at = [p for p in self._peers.values() if p.address == (host, port)]
-        return bool(at) and all(p.extended for p in at)
+        """Whether the process at ``host:port`` parses our extension frames: it answered one of our
+        pings, or something registered there, all of it with our extension frames (a fork peer
+        there must get nothing else, even when a stranger registered that address as ours)."""
+        at = [r for (_, h, p), r in self._regs.items() if (h, p) == (host, port)]
+        return any(r.proven for r in at) or (bool(at) and all(p.extended for r in at for p in r.pools()))
 
-    def speaks_ours(self, session: str) -> bool:
-        peer = self._peers.get(session)
-        return peer is not None and self.speaks_ours_at(*peer.address)
+    def speaks_ours(self, key: PeerKey) -> bool:
+        return key in self._regs and self.speaks_ours_at(key[1], key[2])
 
     def registered_at(self, host: str, port: int) -> bool:
-        return any(p.address == (host, port) for p in self._peers.values())
+        return any((h, p) == (host, port) for _, h, p in self._regs)
 
-    def register(self, msg: RegisterMsg, mismatch: str, busy: Callable[[], set[str]]) -> str:
+    def register(self, msg: RegisterMsg, mismatch: str, busy: Callable[[], set[PeerKey]]) -> str:
         """Record a register; returns why it was refused ("" when it was taken, or held as a
-        claim until the session's endpoint settles it). ``busy`` gives the sessions that have
-        live rooms."""
+        claim until its endpoint settles it). ``busy`` gives the registrations that have live
+        rooms."""
         self._registers += 1
         new = LanguagePeer(msg.endpoint, msg.dst_port, msg.base_ptrs, msg.generation, msg.num_blocks,
-                           msg.item_lens, mismatch, order=self._registers)
-        old = self._peers.get(msg.session_id)
-        if old is not None and old.same_pool(new):
-            self._peers[msg.session_id] = self._peers.pop(msg.session_id)  # a repeat: the newest, for eviction
-            self._claims.pop(msg.session_id, None)  # its owner says again what it has
+                           msg.item_lens, mismatch)
+        key = (msg.session_id, msg.endpoint, msg.dst_port)
+        reg = self._regs.get(key)
+        if reg is None:
+            if len(self._regs) >= MAX_PEERS:
+                in_use = busy()  # the oldest idle registration goes: one a repeated register kept young stays
+                idle = next((k for k in self._regs if k not in in_use), None)
+                if idle is None:
+                    return f"{len(self._regs)} sessions registered, all with live rooms"
+                del self._regs[idle]
+            self._regs[key] = Registration(new, order=self._registers)
+            sharing = [(k, r) for k, r in self._regs.items() if k[1:] == new.address]
+            if len(sharing) > 1 and self.speaks_ours_at(*new.address):  # who answers from there lives there
+                for k, r in sharing:
+                    self._ping(k, r, self.stall.epoch())
             return ""
-        if (old is not None and old.address == new.address and None not in (old.generation, new.generation)
-                and new.generation < old.generation):
-            return (f"session {msg.session_id} registered with generation {new.generation}, older than its "
-                    f"{old.generation} (a replayed register?)")
-        if old is not None and self.speaks_ours(msg.session_id):
-            self._claims[msg.session_id] = new
-            if not old.pings:
-                self._ping(msg.session_id, old, self.stall.epoch())
+        self._regs[key] = self._regs.pop(key)  # the newest, for eviction
+        if reg.held.same_pool(new):
+            return ""  # a repeat (an open claim stays open: the endpoint's next answer settles it)
+        # An older generation than a pool its endpoint proved is a replay; before any proof nothing
+        # says which register is the endpoint's (a forged one may name 2**63-1).
+        if reg.proven and None not in (reg.held.generation, new.generation) and new.generation < reg.held.generation:
+            return (f"session {msg.session_id} registered at {msg.endpoint}:{msg.dst_port} with generation "
+                    f"{new.generation}, older than its {reg.held.generation} (a replayed register?)")
+        if not self.speaks_ours(key) or (not new.extended and not reg.proven):
+            # A fork peer's endpoint (or one nothing proved ours, registered as a fork's): no ping
+            # can settle anything there, so the newest register holds.
+            reg.held, reg.claims, reg.confirmed_epoch = new, [], -1
             return ""
-        if old is not None and old.address != new.address and msg.session_id in busy():
-            return (f"session {msg.session_id} registered again from {msg.endpoint}:{msg.dst_port} while it has "
-                    f"live rooms at {old.endpoint}:{old.port}")
-        if old is None and len(self._peers) >= MAX_PEERS:
-            in_use = busy()  # the oldest idle session goes: one a repeated register kept young stays
-            idle = next((s for s in self._peers if s not in in_use), None)
-            if idle is None:
-                return f"{len(self._peers)} sessions registered, all with live rooms"
-            del self._peers[idle]
-            self._claims.pop(idle, None)
-        self._take(msg.session_id, new)
+        reg.claims = [p for p in reg.claims if not p.same_pool(new)][-(MAX_CLAIMS - 1):] + [new]
+        if not reg.pings:
+            self._ping(key, reg, self.stall.epoch())
         return ""
 
-    def _take(self, session: str, new: LanguagePeer) -> None:
-        # Not confirmed yet (confirmed_epoch -1): a register handled after a stall may be stale, so
-        # the first write waits for one ping round trip.
-        self._peers.pop(session, None)
-        self._peers[session] = new
-        sharing = [(s, p) for s, p in self._peers.items() if p.address == new.address]
-        if len(sharing) > 1 and self.speaks_ours_at(*new.address):  # who answers from there lives there
-            for other, peer in sharing:
-                self._ping(other, peer, self.stall.epoch())
-
-    def may_write(self, session: str) -> bool:
-        """A write to ``session`` may start now; if not, a ping is on its way and :meth:`on_pong`
+    def may_write(self, key: PeerKey) -> bool:
+        """A write to ``key`` may start now; if not, a ping is on its way and :meth:`on_pong`
         says when it may."""
-        if self.writable(session):
+        if self.writable(key):
             return True
-        self.confirm(session)
+        self.confirm(key)
         return False
 
-    def writable(self, session: str) -> bool:
-        """A write to ``session`` may start now (asks nothing of the peer)."""
-        peer = self._peers.get(session)
-        if peer is None or not self.speaks_ours(session):
-            return True  # fork peers are never pinged; an unknown session fails in the write, by name
-        if session in self._claims:
-            return False  # which pool it has is not settled: the answer to the claim's ping starts it
-        return peer.confirmed_epoch == self.stall.epoch()
+    def writable(self, key: PeerKey) -> bool:
+        """A write to ``key`` may start now (asks nothing of the peer)."""
+        reg = self._regs.get(key)
+        if reg is None or not self.speaks_ours(key):
+            return True  # fork peers are never pinged; an unknown registration fails in the write, by name
+        return not reg.claims and reg.confirmed_epoch == self.stall.epoch()
 
-    def confirm(self, session: str) -> None:
-        """Ping ``session`` unless it is confirmed for this epoch or a ping of it is out (or a
-        claim's ping is: its answer settles the session)."""
-        peer = self._peers.get(session)
-        if peer is None or not self.speaks_ours(session) or session in self._claims:
+    def confirm(self, key: PeerKey) -> None:
+        """Ping ``key`` unless it may be written now or a ping of it is out in this epoch (its
+        answer settles it)."""
+        reg = self._regs.get(key)
+        if reg is None or self.writable(key):
             return
         epoch = self.stall.epoch()
-        if peer.confirmed_epoch != epoch and epoch not in peer.pings.values():
-            self._ping(session, peer, epoch)
+        if epoch not in reg.pings.values():
+            self._ping(key, reg, epoch)
 
     def on_pong(self, msg: PongMsg) -> PongOutcome | None:
-        """Handle an answer (None: it answers no ping we sent, or comes from elsewhere). The
-        answering session lives at the endpoint that was pinged: other sessions there are dropped."""
-        pinged = next((p for p in self._peers.values() if msg.seq in p.pings), None)
-        answering = self._peers.get(msg.session_id)
-        if pinged is None or answering is None or answering.address != pinged.address:
+        """Handle an answer (None: it answers no ping we sent, or names a session not registered
+        at the endpoint that was pinged). The answering session lives at that endpoint: other
+        sessions registered there are dropped; the pool whose generation it names is the one it
+        holds (a pong without one: its newest register)."""
+        pinged = next((k for k, r in self._regs.items() if msg.seq in r.pings), None)
+        if pinged is None:
             return None
-        epoch = pinged.pings.pop(msg.seq)
-        refused = ""
-        claim = self._claims.pop(msg.session_id, None)
-        if claim is not None:
-            if claim.address == answering.address and msg.generation in (None, claim.generation):
-                claim.pings = answering.pings  # the same endpoint: its pings are still out
-                self._take(msg.session_id, claim)
-                answering = claim
-            elif claim.address == answering.address:
-                refused = (f"a register for session {msg.session_id} named generation {claim.generation}; "
-                           f"its endpoint {claim.endpoint}:{claim.port} answers with {msg.generation}")
-            else:
-                refused = (f"a register moved session {msg.session_id} to {claim.endpoint}:{claim.port}; "
-                           f"it answers at {answering.endpoint}:{answering.port}")
-        dropped = [(s, p) for s, p in self._peers.items() if p.address == answering.address and p is not answering]
-        for session, _ in dropped:
-            del self._peers[session]
-            self._claims.pop(session, None)
-        answering.pings = {seq: e for seq, e in answering.pings.items() if seq > msg.seq}  # older ones are answered too
-        answering.misses = 0
-        answering.confirmed_epoch = max(answering.confirmed_epoch, epoch)
-        return PongOutcome(answering.confirmed_epoch == self.stall.epoch(), dropped, answering, refused)
+        key = (msg.session_id, pinged[1], pinged[2])
+        reg = self._regs.get(key)
+        if reg is None:
+            return None
+        epoch = self._regs[pinged].pings.pop(msg.seq)
+        refused = []
+        pools = reg.pools()
+        chosen = pools[0] if msg.generation is None else next(
+            (p for p in pools if p.generation == msg.generation), None)
+        if chosen is None:  # its pool is not registered here (yet): its register brings it
+            reg.confirmed_epoch = -1
+        else:
+            losers = [p for p in pools if p is not chosen and (p is not reg.held or not reg.proven)]
+            refused = [f"a register for session {msg.session_id} named {p.describe()}; that endpoint answers "
+                       f"with generation {msg.generation}" for p in losers]
+            if chosen is not reg.held:
+                reg.held, reg.confirmed_epoch = chosen, -1
+            reg.claims = []
+            reg.confirmed_epoch = max(reg.confirmed_epoch, epoch)
+        dropped = [(k, r) for k, r in self._regs.items() if k[1:] == key[1:] and k != key]
+        for k, _ in dropped:
+            del self._regs[k]
+        reg.pings = {seq: e for seq, e in reg.pings.items() if seq > msg.seq}  # older ones are answered too
+        reg.misses = 0
+        return PongOutcome(self.writable(key), dropped, key, reg.order, refused)
 
-    def beat(self, live_sessions: set[str]) -> list[tuple[str, str]]:
-        """One heartbeat interval: count misses, ping again; returns ``(session, why)`` of the
-        sessions with live rooms that are now dead (forget nothing: a late answer brings one
-        back). A claimed session whose endpoint stays silent goes to its claim."""
+    def beat(self, live: set[PeerKey]) -> list[tuple[PeerKey, str]]:
+        """One heartbeat interval: count misses, ping again; returns ``(key, why)`` of the
+        registrations with live rooms that are now dead (forget nothing: a late answer brings one
+        back). A registration with open claims whose endpoint stays silent keeps its newest claim."""
         dead = []
         epoch = self.stall.epoch()
-        for session in live_sessions | set(self._claims):
-            peer = self._peers.get(session)
-            if peer is None or not self.speaks_ours(session):
+        for key in live | {k for k, r in self._regs.items() if r.claims}:
+            reg = self._regs.get(key)
+            if reg is None or not self.speaks_ours(key):
                 continue
-            if any(e == epoch for e in peer.pings.values()):  # a ping of this epoch is still unanswered
-                peer.misses += 1
-            if peer.misses >= self.max_misses:
-                why = f"{peer.misses} pings in a row unanswered ({self.interval:g}s apart)"
-                peer.misses, peer.pings = 0, {}
-                if session in live_sessions:
-                    dead.append((session, why))
-                if (claim := self._claims.pop(session, None)) is not None:
-                    log.warning("session %s moves to %s:%d: %s at %s:%d", session, claim.endpoint, claim.port, why,
-                                peer.endpoint, peer.port)
-                    self._take(session, claim)
+            if any(e == epoch for e in reg.pings.values()):  # a ping of this epoch is still unanswered
+                reg.misses += 1
+            if reg.misses >= self.max_misses:
+                why = f"{reg.misses} pings in a row unanswered ({self.interval:g}s apart)"
+                reg.misses, reg.pings = 0, {}
+                if key in live:
+                    dead.append((key, why))
+                if reg.claims:
+                    log.warning("session %s at %s:%d: %s; its newest register (%s) holds, unproven", key[0],
+                                key[1], key[2], why, reg.claims[-1].describe())
+                    reg.held, reg.claims, reg.confirmed_epoch = reg.claims[-1], [], -1
                 continue
-            self._ping(session, peer, epoch)
+            self._ping(key, reg, epoch)
         return dead
 
-    def _ping(self, session: str, peer: LanguagePeer, epoch: int) -> None:
+    def _ping(self, key: PeerKey, reg: Registration, epoch: int) -> None:
         # Increasing (the high bits count) and unguessable (the low bits are random): a pong
         # proves its sender got this ping.
         self._seq += 1
         seq = (self._seq << 32) | secrets.randbits(32)
-        peer.pings[seq] = epoch
-        self._push.try_send(peer.endpoint, peer.port, PingMsg(self._host, self._rank_port, seq).encode())
+        reg.pings[seq] = epoch
+        self._push.try_send(key[1], key[2], PingMsg(self._host, self._rank_port, seq).encode())
 
     def close(self) -> None:
         self.stall.close()

@@ -39,7 +39,7 @@ from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
 from connector.failures import FailureKind, wire_reason
-from connector.language_peers import LanguagePeers
+from connector.language_peers import LanguagePeer, LanguagePeers
 from connector.messages import (
     AbortAckMsg,
     AbortMsg,
@@ -312,8 +312,8 @@ class EmbeddingSenderManager:
     def _world(self, r: SenderRoom, event: ev.Event) -> World:
         if isinstance(event, ev.Tick):  # a timeout check needs only the time (it runs every 0.25 s)
             return World(self.clock(), self._paused)
-        sessions = r.sessions() | ({event.dst.session_id} if isinstance(event, ev.Init | ev.Resume) else set())
-        return World(self.clock(), self._paused, frozenset(s for s in sessions if self.peers.writable(s)))
+        peers = r.peers() | ({event.dst.peer} if isinstance(event, ev.Init | ev.Resume) else set())
+        return World(self.clock(), self._paused, frozenset(p for p in peers if self.peers.writable(p)))
 
     def _dispatch(self, r: SenderRoom, event: ev.Event) -> None:
         """Give ``event`` to the room and do what it asks, in order."""
@@ -330,7 +330,7 @@ class EmbeddingSenderManager:
             case ev.SendAck(host, port, ack):
                 self._send_ack(host, port, ack)
             case ev.AnnounceTotal(d):  # fork peers never get this frame
-                if self.peers.speaks_ours(d.session_id):
+                if self.peers.speaks_ours(d.peer):
                     self._push.try_send(d.endpoint, d.port, StatusMsg(r.room, KVPoll.WaitingForInput, 0, "",
                                                                       r.total_tokens).encode())
             case ev.StartWrite(write):
@@ -360,9 +360,9 @@ class EmbeddingSenderManager:
                 self.failing.failed(peer, kind, reason)
             case ev.PeerSucceeded(peer):
                 self.failing.succeeded(peer)
-            case ev.Confirm(sessions):
-                for session in sessions:
-                    self.peers.confirm(session)
+            case ev.Confirm(peers):
+                for peer in peers:
+                    self.peers.confirm(peer)
             case ev.Count(stat):
                 self.stats[stat] += 1
             case ev.Ended():
@@ -492,7 +492,7 @@ class EmbeddingSenderManager:
         elif msg.item_lens is not None and tuple(msg.item_lens[:4]) != self.pool.item_lens:
             mismatch = (f"pool layout mismatch: peer item lengths {msg.item_lens[:4]} vs ours "
                         f"{self.pool.item_lens} (block size or hidden size differ)")
-        busy = lambda: {d.session_id for r in self._rooms.values() if r.live for d in r.dsts}  # noqa: E731
+        busy = lambda: {d.peer for r in self._rooms.values() if r.live for d in r.dsts}  # noqa: E731
         refused = self.peers.register(msg, mismatch, busy)
         if refused:
             limit = refused.endswith("all with live rooms")
@@ -504,20 +504,20 @@ class EmbeddingSenderManager:
         outcome = self.peers.on_pong(msg)
         if outcome is None:
             return
-        if outcome.refused_claim:
-            self.rejections.reject("register_takeover", outcome.refused_claim)
-        for session, gone in outcome.dropped:  # not the session living at that endpoint (any more)
-            name = f"{gone.endpoint}:{gone.port}"
-            if gone.order > outcome.answering.order:
+        for why in outcome.refused:
+            self.rejections.reject("register_takeover", why)
+        for (session, host, port), gone in outcome.dropped:  # not the session living at that endpoint (any more)
+            name = f"{host}:{port}"
+            if gone.order > outcome.order:
                 self.rejections.reject("register_takeover", f"session {session} registered for {name}, "
                                                              f"where {msg.session_id} answers: dropped")
             for r in list(self._rooms.values()):
-                if any(d.session_id == session for d in r.dsts) and r.phase != P.SUSPENDED:
+                if any(d.peer == (session, host, port) for d in r.dsts) and r.phase != P.SUSPENDED:
                     self._dispatch(r, ev.Fail(FailureKind.PEER_FAILED, f"language peer {name} restarted",
                                               notify=False))
         if outcome.confirmed:
             for r in list(self._rooms.values()):
-                if any(d.session_id == msg.session_id for d in r.dsts):
+                if any(d.peer == outcome.answering for d in r.dsts):
                     self._dispatch(r, ev.Kick())
 
     def _on_control(self, msg: AbortMsg | SuspendMsg) -> None:
@@ -553,8 +553,8 @@ class EmbeddingSenderManager:
             return
         what = "init" if isinstance(msg, InitMsg) else "resume"
         detail = f"{what} of room {msg.room} from {msg.endpoint}:{msg.dst_port} (session {msg.session_id}): {reason}"
-        self.rejections.reject("refused_round" if owner else "unregistered_session" if self.peers.get(
-            msg.session_id) is None else "not_owner", detail)
+        self.rejections.reject("refused_round" if owner else "unregistered_session" if not self.peers.addresses_of(
+            msg.session_id) else "not_owner", detail)
         status = StatusMsg(msg.room, KVPoll.Failed, 0, wire_reason(kind, reason))
         if owner:
             if r is None:
@@ -566,31 +566,39 @@ class EmbeddingSenderManager:
 
     def _check_round_request(self, r: SenderRoom | None, msg: InitMsg | ResumeMsg) -> tuple[FailureKind, str, bool]:
         """``(kind, why it is refused, whether its sender may fail the room)``; no reason: serve it."""
-        peer = self.peers.get(msg.session_id)
-        if peer is None:
-            return FailureKind.PROTOCOL, f"session {msg.session_id} never registered", False
-        if peer.address != (msg.endpoint, msg.dst_port):
-            return (FailureKind.PROTOCOL, f"session {msg.session_id} registered from {peer.endpoint}:{peer.port}",
-                    False)
+        pools = self.peers.pools((msg.session_id, msg.endpoint, msg.dst_port))
+        if not pools:  # (where else it registered is not told: the reason goes back to the sender)
+            return (FailureKind.PROTOCOL, f"session {msg.session_id} never registered from "
+                                          f"{msg.endpoint}:{msg.dst_port}", False)
         # An init may fail a room nobody has asked for yet; a resume only one of its sender's rooms
         # (any registered peer's for a room restored from this worker's checkpoint: it has none).
         if isinstance(msg, InitMsg):
             owner = r is None or not r.dsts
         else:
-            owner = r is not None and (r.owned_by(*peer.address) or (r.phase == P.SUSPENDED and not r.dsts))
+            owner = r is not None and (r.owned_by(msg.endpoint, msg.dst_port)
+                                       or (r.phase == P.SUSPENDED and not r.dsts))
             if r is not None and not owner:  # before any check that would tell a stranger its progress
                 return FailureKind.PROTOCOL, f"resume for room {msg.room} from a peer that did not init it", False
-        if peer.mismatch:
-            return FailureKind.MISMATCH, peer.mismatch, owner
-        try:
-            check_blocks(msg.block_ids, msg.allocated_tokens, self.config.block_size, peer.num_blocks)
-        except ProtocolError as exc:
-            return exc.kind, str(exc), owner
+        # Until its endpoint settles which pool is its own, the request is served if one fits.
+        refusals = [self._pool_refusal(p, msg) for p in pools]
+        if all(refusals):
+            kind, reason = refusals[0]
+            return kind, reason, owner
         if isinstance(msg, ResumeMsg):
             reason = (f"resume for unknown or finished room {msg.room}" if r is None
                       else r.resume_refusal(msg.session_id, msg.sent_tokens))
             return FailureKind.PROTOCOL, reason, owner
         return FailureKind.PROTOCOL, "", owner
+
+    def _pool_refusal(self, peer: LanguagePeer, msg: InitMsg | ResumeMsg) -> tuple[FailureKind, str] | None:
+        """Why ``msg``'s blocks cannot be written into ``peer``'s pool (None: they can)."""
+        if peer.mismatch:
+            return FailureKind.MISMATCH, peer.mismatch
+        try:
+            check_blocks(msg.block_ids, msg.allocated_tokens, self.config.block_size, peer.num_blocks)
+        except ProtocolError as exc:
+            return exc.kind, str(exc)
+        return None
 
     # ---- writes ----------------------------------------------------------------------------
 
@@ -611,9 +619,15 @@ class EmbeddingSenderManager:
         bs, start = self.config.block_size, write.start
         tokens = write.end - start  # the same for every destination: the smallest allocation
         for d in write.dsts:
-            peer = self.peers.get(d.session_id)
+            peer = self.peers.get(d.peer)
             if peer is None:
-                return f"language peer session {d.session_id} is gone"
+                return f"language peer session {d.session_id} at {d.endpoint}:{d.port} is gone"
+            try:  # the pool its endpoint answered for: the request may have been checked against a claim
+                check_blocks(d.block_ids, d.allocated_tokens, bs, peer.num_blocks)
+            except ProtocolError as exc:
+                return f"language peer {d.endpoint}:{d.port}: {exc}"
+            if peer.mismatch:
+                return f"language peer {d.endpoint}:{d.port}: {peer.mismatch}"
             plan = plan_round(list(write.src_blocks[start // bs:]), list(d.block_ids), tokens, bs,
                               self.pool.base_ptrs, peer.base_ptrs, self.pool.item_lens, with_aux=start == 0)
             try:
@@ -649,12 +663,11 @@ class EmbeddingSenderManager:
     def _beat(self) -> None:
         # A session whose rooms are all suspended may be a language worker restarting from its
         # checkpoint: those rooms wait (up to max_sleep), as its peers' rooms wait for it.
-        live = {d.session_id for r in self._rooms.values() if r.live and r.phase != P.SUSPENDED for d in r.dsts}
-        for session, why in self.peers.beat(live):
-            peer = self.peers.get(session)
-            name = f"{peer.endpoint}:{peer.port}" if peer else session
+        live = {d.peer for r in self._rooms.values() if r.live and r.phase != P.SUSPENDED for d in r.dsts}
+        for (session, host, port), why in self.peers.beat(live):
+            name = f"{host}:{port}"
             log.error("language peer %s (session %s) declared dead: %s", name, session, why)
             self.stats["peer_dead"] += 1
             for r in list(self._rooms.values()):
-                if any(d.session_id == session for d in r.dsts):
+                if any(d.peer == (session, host, port) for d in r.dsts):
                     self._dispatch(r, ev.Fail(FailureKind.PEER_DEAD, f"language peer {name} is dead: {why}"))

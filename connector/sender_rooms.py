@@ -4,7 +4,7 @@
 through ``TRANSITIONS`` (a room restored from a checkpoint too: the ``Restored`` event). The room
 holds the protocol's data and nothing else: no socket, lock, pool, allocator or clock. What it
 needs to know of the world comes in a :class:`World` (the time, whether this worker is paused,
-which of its language sessions may be written to now); what it wants done comes back as a list
+which of its language registrations may be written to now); what it wants done comes back as a list
 of effects that :class:`connector.sender.EmbeddingSenderManager` applies in order (send a
 frame, start a write, free blocks, settle the staging budget, answer the encode request).
 
@@ -67,6 +67,11 @@ class Destination:
     allocated_tokens: int
     ready: bool = True  # has blocks for the round to come
 
+    @property
+    def peer(self) -> tuple[str, str, int]:
+        """Its registration: the Mooncake session and the endpoint that registered it."""
+        return self.session_id, self.endpoint, self.port
+
 
 @dataclass
 class Write:
@@ -94,7 +99,7 @@ class World:
 
     now: float
     paused: bool = False  # this worker sleeps: no write starts
-    writable: frozenset[str] = frozenset()  # the room's language sessions confirmed alive now
+    writable: frozenset[tuple[str, str, int]] = frozenset()  # the room's registrations confirmed alive now
 
 
 # ---- events: what happened to the room ----------------------------------------------------
@@ -285,9 +290,9 @@ class PeerSucceeded:
 
 @dataclass(frozen=True)
 class Confirm:
-    """A write or its status waits for these sessions to confirm they are alive (ping them)."""
+    """A write or its status waits for these registrations to confirm they are alive (ping them)."""
 
-    sessions: tuple[str, ...]
+    peers: tuple[tuple[str, str, int], ...]
 
 
 @dataclass(frozen=True)
@@ -361,9 +366,9 @@ class SenderRoom:
         """An encode request may take the room (nobody owns it, it did not finish, it holds no data)."""
         return not (self.claimed or self.phase == P.DONE or (self.live and self.has_data))
 
-    def sessions(self) -> set[str]:
-        """The language sessions the room writes or will write to."""
-        return {d.session_id for d in self.dsts} | {d.session_id for w in self.writes for d in w.dsts}
+    def peers(self) -> set[tuple[str, str, int]]:
+        """The language registrations (session, endpoint) the room writes or will write to."""
+        return {d.peer for d in self.dsts} | {d.peer for w in self.writes for d in w.dsts}
 
     def owned_by(self, host: str, port: int) -> bool:
         """``host:port`` is the language endpoint of one of the room's destinations."""
@@ -631,8 +636,8 @@ class SenderRoom:
 
     @staticmethod
     def _confirmed(dsts: list[Destination], world: World, out: list[Effect]) -> bool:
-        """Every session of ``dsts`` is confirmed alive now; if not, ask those that are not."""
-        unconfirmed = tuple(dict.fromkeys(d.session_id for d in dsts if d.session_id not in world.writable))
+        """Every registration of ``dsts`` is confirmed alive now; if not, ask those that are not."""
+        unconfirmed = tuple(dict.fromkeys(d.peer for d in dsts if d.peer not in world.writable))
         if unconfirmed:
             out.append(Confirm(unconfirmed))
         return not unconfirmed

@@ -6,7 +6,8 @@ more parts where one would pass the images an encoder takes per ``/encode``; eac
 part has its own room and is received like any two-request transfer (rounds and resumes as
 needed); the parts are joined in image order, each part's digest checked against the one its
 encoder reported. A part whose encoder cannot be reached, is busy (408/429/503) or fails is sent
-again, with a new room, to another encoder, up to ``max_attempts`` in all, as soon as either
+again, with a new room, to an encoder it has not been tried on, up to ``max_attempts`` in all
+(so ``min(max_attempts, encoders)``: never twice on one encoder), as soon as either
 side sees the failure (the ``/encode`` answer, or this worker's room failing: the encoder found
 dead, an init refused, the room aborted; the ``/encode`` is then dropped); that encoder gets
 no new part until its ``/health`` answers again (probed at most once a second, at once when no
@@ -219,8 +220,15 @@ class EncoderDispatch:
             self.tokens_per_image = max(1, result.meta["num_tokens"] // len(images))
             result.meta |= {"attempts": attempt, "encoder": enc.url}
             return result
-        raise TransferFailure(FailureKind.PEER_FAILED, f"request {rid}: no encoder could encode part {index} "
-                                                       f"({len(tried)} tried): {last}")
+        # Never twice on one encoder: what failed a part there (dead, frozen, busy, refusing this
+        # worker's rooms) would most likely fail it again, at the cost of another detection.
+        others = len(self.encoders) - len(tried)
+        why = (f"; {others} other(s) out of rotation, not answering /health"
+               if others and len(tried) < self.max_attempts else "")
+        raise TransferFailure(FailureKind.PEER_FAILED, f"request {rid}: no encoder could encode part {index} (tried "
+                                                       f"{len(tried)} of {len(self.encoders)} encoders, one attempt "
+                                                       f"each, at most {self.max_attempts}{why}): "
+                                                       f"{last or 'no encoder answers /health'}")
 
     async def _pick(self, tried: set[str]) -> Encoder | None:
         """The healthy encoder with the fewest outstanding tokens not tried yet. One out of

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import logging
+import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -114,8 +117,46 @@ def run(args: argparse.Namespace) -> None:
               f"mooncake={worker.transport.session_id} pool={config.num_blocks}x{config.block_size} tokens "
               f"({config.pool_bytes / 2**20:.0f} MiB){state}", flush=True)
 
-    serve(built.app, config.host, args.port, banner, worker.stop, worker.close)
+    close = functools.partial(_close_for_exit, worker) if args.disaggregation_mode == "encode" else worker.close
+    serve(built.app, config.host, args.port, banner, worker.stop, close)
     print(f"{args.disaggregation_mode} worker stopped", flush=True)
+    _exit_now()
+
+
+# SIGINT to exit within 2 s (README): what the encode worker's close has not finished by then
+# (a write to a language peer that stopped answering, up to Mooncake's 10 s transfer timeout) is
+# left to the exit; that peer finds the room gone by its heartbeat, as after a kill.
+CLOSE_WAIT_S = 1.5
+
+
+def _close_for_exit(worker: EncodeWorker) -> None:
+    failed: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            worker.close(exiting=True)
+        except BaseException as exc:  # raised again in the caller's thread
+            failed.append(exc)
+
+    closing = threading.Thread(target=close, name="encode-close", daemon=True)
+    closing.start()
+    closing.join(CLOSE_WAIT_S)
+    if closing.is_alive():
+        logging.getLogger(__name__).warning("encode worker still closing after %gs (a write in flight?); exiting "
+                                            "anyway", CLOSE_WAIT_S)
+    elif failed:
+        raise failed[0]
+
+
+def _exit_now() -> None:
+    """End the process once the worker is closed, without the interpreter's own teardown:
+    collecting torch's and transformers' (and under SGLang's launcher, SGLang's) modules took
+    1-3 s here, and a thread of a forward pass still running would be joined first. Everything
+    that must reach a peer or the disk was sent or written by ``stop`` and ``close``."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _generation_service(args: argparse.Namespace, config):

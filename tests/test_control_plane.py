@@ -4,6 +4,7 @@ registration, the shared secret, and how rejected messages are counted and logge
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -53,26 +54,75 @@ def test_a_register_that_names_a_live_endpoint_is_dropped_and_its_owner_keeps_wo
     transfer(lang, peer, 2, 10_000)  # one resume round, from the real session
 
 
-def test_a_register_naming_a_live_session_from_elsewhere_or_with_a_forged_pool_is_dropped(make_peer, make_language,
-                                                                                           raw_language) -> None:
+def test_a_register_naming_a_live_session_from_elsewhere_or_with_a_forged_pool_takes_nothing_from_it(
+        make_peer, make_language, raw_language) -> None:
     """Issue 26 (1): a register whose session id is a live worker's Mooncake address, from a new
     endpoint, generation 2**63-1. Before: the encoder took it, refused the real worker's
-    registers as older and every init of it as ``not_owner``. Now the session's endpoint settles
-    it: the worker answers the ping there, with its own generation."""
+    registers as older and every init of it as ``not_owner``. Now a registration belongs to its
+    endpoint (issue 34): the stranger's is kept beside the worker's, for the stranger's own
+    requests, and the worker's endpoint keeps its own. One naming the worker's endpoint with
+    another pool is settled by the worker's answer to a ping, with its own generation."""
     peer, lang = make_peer(), make_language()
     transfer(lang, peer, 1, 5000)
     m, raw = lang.manager, raw_language
     raw.connect(peer.info["rank_port"])
     session, top = m.transport.session_id, 2**63 - 1
     raw.send(RegisterMsg("127.0.0.1", raw.port, session, m.pool.base_ptrs, top, m.pool.num_blocks, m.pool.item_lens))
-    wait_for(lambda: rejected(peer).get("register_takeover") == 1, 10, "the move to be refused")
+    raw.push.send_multipart([b"junk"])  # handled after the register
+    wait_for(lambda: rejected(peer).get("malformed") == 1, 10, "the encoder to take the register")
     transfer(lang, peer, 2, 10_000)  # one resume round: the real session is served
     # The same, naming the victim's own endpoint and another pool: its writes would land elsewhere.
     forged_pool = tuple(p + (1 << 30) for p in m.pool.base_ptrs)
     raw.send(RegisterMsg(m.config.host, m.rank_port, session, forged_pool, top, m.pool.num_blocks, m.pool.item_lens))
-    wait_for(lambda: rejected(peer).get("register_takeover") == 2, 10, "the forged pool to be refused")
+    wait_for(lambda: rejected(peer).get("register_takeover") == 1, 10, "the forged pool to be refused")
     transfer(lang, peer, 3, 10_000)
-    assert raw.recv(0.5) is None  # the impostor's endpoint was never pinged or written
+    # An older generation than the one the worker's endpoint answered with: a replay, refused at once.
+    raw.send(RegisterMsg(m.config.host, m.rank_port, session, forged_pool, m.generation - 1, m.pool.num_blocks,
+                         m.pool.item_lens))
+    wait_for(lambda: rejected(peer).get("register_conflict") == 1, 10, "the replayed register to be refused")
+    transfer(lang, peer, 4, 10_000)
+    assert raw.recv(0.5) is None and raw.pings == 0  # the stranger's endpoint was never pinged or written
+
+
+@pytest.mark.parametrize("forged_at", ["a silent endpoint", "an endpoint answering pings", "the worker's endpoint"])
+def test_a_register_forged_before_the_workers_first_keeps_it_out_one_ping_round_trip_at_most(
+        make_peer, make_language, raw_language, forged_at) -> None:
+    """Issue 34 (3): a register naming a language worker's Mooncake session reaches the encoder
+    before the worker's own first one (right after it started), with generation 2**63-1 and
+    another pool. Before: from another endpoint, the encoder took it and refused the worker's
+    inits (a two-frame ``Failed``: "no reason given") until that endpoint had missed its pings
+    (10-15 s with the default heartbeat; for ever when it answers them); from the worker's own
+    endpoint, the worker's register looked replayed and its writes went to the forged pool. Now a
+    registration belongs to its endpoint and is written only once that endpoint answered a ping
+    with its pool's generation: the worker waits one ping round trip at most."""
+    peer, lang = make_peer(), make_language()
+    m, raw = lang.manager, raw_language
+    raw.connect(peer.info["rank_port"])
+    raw.session = m.transport.session_id  # the victim's: its READY line shows it, and it is guessable
+    endpoint = (m.config.host, m.rank_port) if forged_at == "the worker's endpoint" else ("127.0.0.1", raw.port)
+    forged_pool = tuple(p + (1 << 30) for p in m.pool.base_ptrs)
+    raw.send(RegisterMsg(*endpoint, raw.session, forged_pool, 2**63 - 1, m.pool.num_blocks, m.pool.item_lens))
+    raw.push.send_multipart([b"junk"])  # handled after the register: once it is counted, the encoder has both
+    wait_for(lambda: rejected(peer).get("malformed") == 1, 10, "the encoder to take the forged register")
+    stop = threading.Event()
+
+    def answer_pings() -> None:
+        while not stop.is_set():
+            raw.recv(0.05)
+
+    answering = threading.Thread(target=answer_pings, daemon=True)
+    if forged_at == "an endpoint answering pings":  # the forger listens where it said and answers as the victim
+        answering.start()
+    try:
+        started = time.monotonic()
+        transfer(lang, peer, 1, 3000)  # the worker's own register, init and (after one ping) its round
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        if answering.is_alive():
+            answering.join()
+    assert took < 3.0, f"the worker waited {took:.1f}s for its first round"
+    transfer(lang, peer, 2, 10_000)  # and goes on: one resume round
 
 
 def test_a_new_session_answering_from_the_same_endpoint_ends_the_old_sessions_rooms(make_peer, raw_language,
@@ -226,9 +276,15 @@ def test_a_fork_peer_gets_only_fork_frames_even_when_a_stranger_registers_its_ad
     raw.send(ResumeMsg(1, "127.0.0.1", raw.port, raw.session, tuple(range(64, 79)), 1, 8192, 1920))
     assert raw.expect(room=1) == StatusMsg(1, KVPoll.Success)
     assert raw.pings == 0 and raw.recv(1.0) is None  # no ping, no ack
-    old_pool = tuple(p - (1 << 30) for p in pool.base_ptrs)  # the pool it had before a wake-up
+    # An older generation at that address: nothing there answers pings, so nothing proves which of
+    # the stranger's registers is a replay (issue 34: refusing it let a forged 2**63-1 keep a
+    # worker out); the fork peer's own session is served as before, in fork frames.
+    old_pool = tuple(p - (1 << 30) for p in pool.base_ptrs)
     raw.send(RegisterMsg("127.0.0.1", raw.port, "127.0.0.1:7", old_pool, 4, pool.num_blocks, pool.item_lens))
-    wait_for(lambda: rejected(peer).get("register_conflict") == 1, 5, "the replayed older register to be refused")
+    peer.call("stage", room=2, tokens=1000, seed=2)
+    raw.send(InitMsg(2, "127.0.0.1", raw.port, raw.session, tuple(range(8)), 1, 1024))
+    assert raw.expect(room=2) == StatusMsg(2, KVPoll.Success)
+    assert raw.pings == 0 and raw.recv(1.0) is None
 
 
 @pytest.mark.fast

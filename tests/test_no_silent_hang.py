@@ -34,7 +34,7 @@ from connector.poll import KVPoll
 
 pytestmark = pytest.mark.faults
 
-INTERVAL, MISSES, ATTEMPTS = 0.5, 2, 3  # --heartbeat-interval, --heartbeat-max-failure, the dispatch's attempts
+INTERVAL, MISSES, ATTEMPTS = 0.5, 2, 3  # --heartbeat-interval, --heartbeat-max-failure, attempts (min(3, 2) = 2 here: looser)
 ACK = 2.0  # --abort-ack-timeout: blocks a frozen encoder may still write into wait this long for its ack
 HEARTBEAT = ("--heartbeat-interval", str(INTERVAL), "--heartbeat-max-failure", str(MISSES),
              "--abort-ack-timeout", str(ACK))

@@ -6,6 +6,7 @@ one language worker)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import http.server
@@ -23,6 +24,10 @@ import requests
 from test_generate_api import P, generate, images, metric, wait_idle  # noqa: F401  (fixture)
 from transfer_large_image import make_image
 from workers import WorkerProcess
+
+from connector.failures import TransferFailure
+from language_side.dispatch import EncoderDispatch, _EncoderFault
+from language_side.embedding_cache import EmbeddingCache
 
 MESSAGES = [{"role": "system", "content": "Be brief."}]
 
@@ -198,6 +203,32 @@ def test_an_image_sent_again_comes_from_the_cache_and_one_pixel_makes_another(cl
 
 
 # Not a `faults` test although it kills an encoder: it asserts answers, not timing, so it runs beside others.
+@pytest.mark.fast
+@pytest.mark.parametrize("encoders, tried", [(1, 1), (2, 2), (4, 3)])
+def test_a_part_is_tried_once_per_encoder_at_most_three_times_and_the_error_says_so(monkeypatch, encoders,
+                                                                                    tried) -> None:
+    """Issue 34 (3): with two encoders a part got two attempts and its 502 said "(2 tried)" where
+    the README said 3 attempts. Each attempt goes to an encoder the part has not failed on (the
+    same one would most likely fail it again, a detection later): min(3, encoders) attempts,
+    and the error says which of them it made."""
+    dispatch = EncoderDispatch([f"http://127.0.0.1:{9000 + i}" for i in range(encoders)], None, EmbeddingCache(0))
+    asked: list[str] = []
+
+    async def failing(enc, part_rid, sources):
+        asked.append(enc.url)
+        raise _EncoderFault(f"encoder {enc.url} failed the room")
+
+    async def healthy(enc) -> bool:
+        return True
+
+    monkeypatch.setattr(dispatch, "_encode_and_receive", failing)
+    monkeypatch.setattr(dispatch, "_probe", healthy)
+    with pytest.raises(TransferFailure) as failure:
+        asyncio.run(dispatch._part("rid", 0, ["image.png"]))
+    assert len(asked) == len(set(asked)) == tried
+    assert f"(tried {tried} of {encoders} encoders, one attempt each, at most 3)" in str(failure.value)
+
+
 def test_three_encoders_two_language_workers_32_chats_one_encoder_killed_halfway(folder, images) -> None:  # noqa: F811
     """Every chat completes with the answer it gives without the kill: the parts on the killed
     encoder are sent again to the others, invisibly to the clients."""

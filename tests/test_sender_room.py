@@ -27,7 +27,7 @@ pytestmark = pytest.mark.fast
 P = SenderPhase
 TIMEOUTS = Timeouts(bootstrap=30.0, resume=20.0, max_sleep=100.0)
 PEERS = {"s1": ("10.0.0.1", 7001), "s2": ("10.0.0.2", 7002)}
-ALL = frozenset(PEERS)
+ALL = frozenset((session, *address) for session, address in PEERS.items())  # every registration writable
 
 
 def embedding(tokens: int) -> Embedding:
@@ -65,7 +65,7 @@ class Driver:
         self.owed_acks: set[tuple[str, int, str]] = set()
         self.next_block = itertools.count(100)
 
-    def world(self, writable: frozenset[str] = ALL, paused: bool = False) -> World:
+    def world(self, writable: frozenset[tuple[str, str, int]] = ALL, paused: bool = False) -> World:
         return World(self.now, paused, writable)
 
     def send(self, event: ev.Event, world: World | None = None) -> list:
@@ -213,7 +213,7 @@ def test_a_landed_round_waits_for_its_session_to_confirm_before_it_is_reported()
     d.start_move()
     d.finish_move()
     effects = d.land(0, world=d.world(writable=frozenset()))
-    assert of(effects, ev.Confirm) == [ev.Confirm(("s1",))] and not of(effects, ev.SendStatus)
+    assert of(effects, ev.Confirm) == [ev.Confirm((("s1", *PEERS["s1"]),))] and not of(effects, ev.SendStatus)
     effects = d.send(ev.Kick())  # the pong
     assert of(effects, ev.SendStatus)[0].status.status == KVPoll.Success and d.r.phase == P.DONE
 
@@ -303,7 +303,7 @@ def step(d: Driver, action: str, pick: int) -> None:
         case "kick":
             d.send(ev.Kick(), d.world(paused=pick % 5 == 0))
         case "kick_unconfirmed":
-            d.send(ev.Kick(), d.world(writable=frozenset({session})))
+            d.send(ev.Kick(), d.world(writable=frozenset({(session, *PEERS[session])})))
         case "tick":
             d.now += (5.0, 25.0, 150.0)[pick % 3]
             d.send(ev.Tick())

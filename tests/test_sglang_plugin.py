@@ -245,6 +245,9 @@ def test_4k_image_through_workers_started_by_sglang(command, checkpoint, images)
         assert res["match"] and res["tokens"] == 10_549 and res["resume_rounds"] >= 1, res
         assert time.monotonic() - start < 60
         assert_pools_free(Pair.of(encode, language))
+        stopped = time.monotonic()  # Ctrl-C right after a 4K image (issue 34: it took 5-15 s)
+        assert encode.stop() == 0
+        assert time.monotonic() - stopped < 2.0, f"the encode worker took {time.monotonic() - stopped:.2f}s to exit"
     finally:
         assert language.stop() == 0 and encode.stop() == 0
 

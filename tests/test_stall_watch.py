@@ -16,12 +16,13 @@ from connector.zmq_link import PushSockets
 pytestmark = pytest.mark.fast
 
 SESSION = "127.0.0.1:17001"
+KEY = (SESSION, "127.0.0.1", 1)  # the registration: session and endpoint
 
 
 def _answer_pings(peers: LanguagePeers) -> None:
     """What the language side does: answer every ping that is out."""
-    for seq in list(peers.get(SESSION).pings):
-        peers.on_pong(PongMsg(SESSION, seq))
+    for seq in list(peers._regs[KEY].pings):
+        peers.on_pong(PongMsg(SESSION, seq, 1))
 
 
 def test_a_ping_sent_while_a_stall_is_being_counted_still_lets_writes_start(monkeypatch) -> None:
@@ -34,14 +35,14 @@ def test_a_ping_sent_while_a_stall_is_being_counted_still_lets_writes_start(monk
     peers = LanguagePeers(push, "127.0.0.1", 1, interval=0.5, max_misses=2)
     try:
         assert peers.register(RegisterMsg("127.0.0.1", 1, SESSION, (1, 2, 3, 4), 1, 64, (1, 1, 1, 1)), "", set) == ""
-        assert not peers.may_write(SESSION)  # not confirmed yet: a ping goes out
+        assert not peers.may_write(KEY)  # not confirmed yet: a ping goes out
         _answer_pings(peers)
-        assert peers.may_write(SESSION)
+        assert peers.may_write(KEY)
 
         pinged = threading.Event()
 
         def another_thread_runs(*_args: object) -> None:  # while the watch reports the stall
-            peers.may_write(SESSION)
+            peers.may_write(KEY)
             pinged.set()
 
         monkeypatch.setattr(language_peers.log, "warning", another_thread_runs)
@@ -51,9 +52,9 @@ def test_a_ping_sent_while_a_stall_is_being_counted_still_lets_writes_start(monk
         confirmed = False
         for _ in range(5):  # the language side answers every ping, as many rounds as it takes
             _answer_pings(peers)
-            if confirmed := peers.may_write(SESSION):
+            if confirmed := peers.may_write(KEY):
                 break
-        assert confirmed, f"answered pings never confirm the session again: {peers.get(SESSION)}"
+        assert confirmed, f"answered pings never confirm the session again: {peers._regs[KEY]}"
     finally:
         peers.close()
         push.close()
