@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import json
 import os
 import shutil
@@ -59,13 +60,11 @@ def sglang_argv(argv: list[str], ours: argparse.Namespace) -> list[str]:
             continue
         out.append(arg)
     out += SGLANG_FLAGS
-    device = flag_value(argv, "--device")
-    on_cpu = (device or ("cuda" if _has_gpu() else "cpu")) == "cpu"
-    if on_cpu and flag_value(argv, "--attention-backend") is None:
-        out += ["--attention-backend", "torch_native"]
-    if device is None and on_cpu:
-        out += ["--device", "cpu"]
-    if on_cpu:
+    if on_cpu(argv):
+        if flag_value(argv, "--attention-backend") is None:
+            out += ["--attention-backend", "torch_native"]
+        if flag_value(argv, "--device") is None:
+            out += ["--device", "cpu"]
         out += [flag for flag in CPU_SCHEDULING if flag not in argv]
     if ours.kv_budget is not None:  # kv_default's
         out += ["--max-total-tokens", str(ours.kv_budget.tokens)]
@@ -78,10 +77,14 @@ def sglang_argv(argv: list[str], ours: argparse.Namespace) -> list[str]:
 
 def kv_default(argv: list[str], ours: argparse.Namespace) -> KVBudget | None:
     """The KV pool our mode picks: on a CPU without ``--max-total-tokens`` only."""
-    device = flag_value(argv, "--device") or ("cuda" if _has_gpu() else "cpu")
-    if device != "cpu" or flag_value(argv, "--max-total-tokens") is not None or not ours.model_path:
+    if not on_cpu(argv) or flag_value(argv, "--max-total-tokens") is not None or not ours.model_path:
         return None
     return cpu_kv_tokens(ours.model_path)
+
+
+def on_cpu(argv: list[str]) -> bool:
+    """``--device cpu``, or no ``--device`` on a machine without a GPU."""
+    return (flag_value(argv, "--device") or ("cuda" if _has_gpu() else "cpu")) == "cpu"
 
 
 def starts_asleep(ours: argparse.Namespace) -> bool:
@@ -93,11 +96,14 @@ def starts_asleep(ours: argparse.Namespace) -> bool:
     return bool(ours.checkpoint_dir) and checkpoint.exists(ours.checkpoint_dir, GENERATIONS_ROLE)
 
 
+@dataclasses.dataclass(frozen=True)
 class KVBudget:
     """The KV pool our mode gives SGLang on a CPU, and why."""
 
-    def __init__(self, tokens: int, bytes_per_token: int, memory: int, context: int) -> None:
-        self.tokens, self.bytes_per_token, self.memory, self.context = tokens, bytes_per_token, memory, context
+    tokens: int
+    bytes_per_token: int
+    memory: int  # the machine's, in bytes
+    context: int  # the model's context length, in tokens
 
     def describe(self) -> str:
         return (f"{self.tokens} tokens = {self.tokens * self.bytes_per_token / 2**20:.0f} MiB at "

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request  # SGLang's server is FastAPI; this module runs only where it is installed
 
-from connector.failures import FailureKind, TransferFailure
+from connector.failures import TransferFailure
 from sglang_ext.http_guards import BodyLimit, RetryAfter, ScrubErrors
 from sglang_ext.prompt_bounds import too_long
 from worker_infra.http import HTTPError, asleep_error, error_body, error_reply, sleep_params
@@ -223,13 +223,12 @@ def around_abort_request(original, manager, rid: str = "", *args, **kwargs):
 
 
 def _start_receiver(ours: argparse.Namespace, manager):
-    from connector import checkpoint
     from language_side.consumers import EmbeddingCopy
     from language_side.dispatch import EncoderDispatch
     from language_side.embedding_cache import EmbeddingCache
     from language_side.worker import LanguageWorker
-    from sglang_ext import generations
     from sglang_ext.args import connector_config
+    from sglang_ext.language_flags import starts_asleep
     from sglang_ext.mm_receiver import ResumableReceiver
 
     global _here
@@ -241,7 +240,7 @@ def _start_receiver(ours: argparse.Namespace, manager):
                             queue_while_sleeping=ours.queue_while_sleeping)
     dispatch = EncoderDispatch(ours.encoder_urls or [], worker, EmbeddingCache(ours.image_embedding_cache_bytes))
     receiver = ResumableReceiver(dispatch, manager.model_config.dtype, keep_inputs=bool(ours.checkpoint_dir))
-    from_disk = bool(ours.checkpoint_dir) and checkpoint.exists(ours.checkpoint_dir, generations.ROLE)
+    from_disk = starts_asleep(ours)
     if from_disk and not worker.is_sleeping():  # SGLang's generations wait for a wake-up, like the connector's
         worker.sleep(1, True)
     _here = Connected(ours, worker, receiver, restore_on_wake=from_disk)
