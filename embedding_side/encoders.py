@@ -18,6 +18,8 @@ from typing import Protocol
 import numpy as np
 from PIL import Image
 
+from embedding_side.positions import IMAGE_PAD_ID
+
 log = logging.getLogger(__name__)
 
 PATCH, MERGE, TEMPORAL = 14, 2, 2
@@ -36,6 +38,10 @@ class EncodedImages:
 class VisionEncoder(Protocol):
     hidden_size: int
     name: str
+    patch_size: int  # pixels per patch side
+    merge_size: int  # patches per embedding token side
+    image_token_id: int  # the prompt's placeholder id each embedding row fills
+    max_batch: int  # requests it encodes at once (SGLang's encoder fuses them into one forward pass)
 
     def encode(self, images: list[Image.Image]) -> EncodedImages: ...
 
@@ -96,16 +102,17 @@ def decode_bytes(image: Image.Image, resize: Resize = smart_resize) -> int:
     return 8 * image.width * image.height + 72 * h * w
 
 
-def grid_for(image: Image.Image, resize: Resize = smart_resize) -> tuple[int, int, int]:
-    """The image's ``(t, h, w)`` patch grid, before the 2x2 merge."""
+def grid_for(image: Image.Image, resize: Resize = smart_resize, patch: int = PATCH) -> tuple[int, int, int]:
+    """The image's ``(t, h, w)`` patch grid, before the merge."""
     h, w = resize(image.height, image.width)
-    return 1, h // PATCH, w // PATCH
+    return 1, h // patch, w // patch
 
 
-def tokens_for(image: Image.Image, resize: Resize = smart_resize) -> int:
-    """Embedding tokens of one image, known before it is encoded (ValueError for a refused shape)."""
-    t, h, w = grid_for(image, resize)
-    return t * h * w // (MERGE * MERGE)
+def tokens_for(image: Image.Image, encoder: VisionEncoder) -> int:
+    """Embedding tokens of one image, known before ``encoder`` encodes it (ValueError for a
+    refused shape)."""
+    t, h, w = grid_for(image, encoder.resize, encoder.patch_size)
+    return t * h * w // (encoder.merge_size * encoder.merge_size)
 
 
 def to_bf16_bytes(values: np.ndarray) -> np.ndarray:
@@ -123,6 +130,7 @@ class FakeEncoder:
     """
 
     name = "fake"
+    patch_size, merge_size, image_token_id, max_batch = PATCH, MERGE, IMAGE_PAD_ID, 1
 
     def __init__(self, hidden_size: int = 3584, seed: int = 0) -> None:
         self.hidden_size, self.seed = hidden_size, seed
@@ -170,6 +178,7 @@ class QwenVisionEncoder:
     """
 
     name = "qwen2_5_vl"
+    patch_size, merge_size, image_token_id, max_batch = PATCH, MERGE, IMAGE_PAD_ID, 1
 
     def __init__(self, model_path: str | None = None, seed: int = 0, device: str = "cpu") -> None:
         import torch

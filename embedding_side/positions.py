@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 
-IMAGE_PAD_ID = 151655
+IMAGE_PAD_ID = 151655  # Qwen2.5-VL's <|image_pad|> in its hub tokenizer
 MERGE = 2
 
 
-def image_positions(grids: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(fill_ids [n], mrope [3, n], delta)`` for the pads of ``grids`` in order."""
+def image_positions(grids: list[tuple[int, int, int]], merge: int = MERGE,
+                    pad_id: int = IMAGE_PAD_ID) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(fill_ids [n], mrope [3, n], delta)`` for the pads of ``grids`` in order (``merge``:
+    patches per token side; ``pad_id``: the checkpoint's image placeholder id)."""
     parts, next_pos, seq_len = [], 0, 0
     for t, h, w in grids:
-        gh, gw = h // MERGE, w // MERGE
+        gh, gw = h // merge, w // merge
         start = next_pos + 1  # after <|vision_start|>
         ti, hi, wi = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
         pos = np.stack([ti.ravel(), hi.ravel(), wi.ravel()]).astype(np.int32) + start
@@ -25,5 +27,5 @@ def image_positions(grids: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.n
         next_pos = int(pos.max()) + 2  # past the last pad and <|vision_end|>
         seq_len += pos.shape[1] + 2
     mrope = np.concatenate(parts, axis=1)
-    fill_ids = np.full(mrope.shape[1], IMAGE_PAD_ID, np.int32)
+    fill_ids = np.full(mrope.shape[1], pad_id, np.int32)
     return fill_ids, mrope, next_pos - seq_len

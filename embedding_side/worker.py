@@ -87,7 +87,9 @@ class EncodeWorker:
         self._loaders = ThreadPoolExecutor(4, thread_name_prefix="encode-load")
         # remote images on their own threads: slow servers cannot hold up local files and data: URIs
         self._fetchers = ThreadPoolExecutor(4, thread_name_prefix="encode-fetch")
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="encode-compute")  # the cores are few
+        # One forward pass at a time (the cores are few), or as many requests as the encoder fuses
+        # into one (SGLang's batches whatever its threads have submitted when it starts a pass).
+        self._compute = ThreadPoolExecutor(encoder.max_batch, thread_name_prefix="encode-compute")
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # rids between arrival and answer
         self._computing = 0
@@ -199,7 +201,7 @@ class EncodeWorker:
         except ImageInputError as exc:
             raise TransferFailure(FailureKind.BAD_REQUEST, str(exc)) from None
         try:
-            tokens = sum(tokens_for(image, self.encoder.resize) for image in images)
+            tokens = sum(tokens_for(image, self.encoder) for image in images)
             decode_need = sum(decode_bytes(image, self.encoder.resize) for image in images)
         except ValueError as exc:  # e.g. an aspect ratio Qwen refuses
             raise TransferFailure(FailureKind.BAD_REQUEST, f"cannot encode: {exc}") from None
@@ -283,7 +285,7 @@ class EncodeWorker:
             with self._idle:
                 self._computing -= 1
                 self._idle.notify_all()
-        fill_ids, mrope, delta = image_positions(encoded.grid_thw)
+        fill_ids, mrope, delta = image_positions(encoded.grid_thw, self.encoder.merge_size, self.encoder.image_token_id)
         emb = Embedding(encoded.embeddings, fill_ids, mrope, np.zeros(AUX_INTS, np.int32), self.config.hidden_size,
                         self.config.dtype)
         emb.aux[0], emb.aux[1] = emb.num_tokens, delta

@@ -1,5 +1,6 @@
-"""Write a complete seeded Qwen2.5-VL checkpoint folder: vision tower, language model, an offline
-tokenizer with Qwen's special tokens and a chat template, and the image preprocessor config.
+"""Write a complete seeded Qwen2.5-VL (or Qwen3-VL) checkpoint folder: vision tower, language
+model, an offline tokenizer with Qwen's special tokens and a chat template, and the image
+preprocessor config.
 
 Nothing can be downloaded here, so this folder stands in for a real checkpoint on both workers
 (the encode worker loads its vision tower, the language worker its language model and
@@ -7,6 +8,7 @@ tokenizer). The weights are random (seeded): generated text means nothing, but t
 exact, so the disaggregated path can be compared with transformers' monolithic model.
 
     python scripts/make_checkpoint.py /tmp/qwen-seeded [--hidden-size 2048] [--seed 0] [--layers 28]
+    python scripts/make_checkpoint.py /tmp/qwen3-seeded --family qwen3_vl
 """
 
 from __future__ import annotations
@@ -80,6 +82,14 @@ def write_tokenizer(folder: Path) -> dict[str, int]:
     return ids
 
 
+# Random weights at the usual init scale (0.02) give a language model whose next-token
+# distribution is nearly flat (top log-probabilities 0.01 apart over 512 ids): the last bf16 bit
+# of an embedding then picks the greedy id, and the greedy ids hardly depend on the image, so an
+# equality check between two implementations fails on rounding and passes for any picture. At
+# 0.2 the ids follow the picture and the top choices are far apart.
+TEXT_INIT = 0.2
+
+
 def model_config(hidden_size: int, ids: dict[str, int], layers: int = 1) -> dict:
     """A small Qwen2.5-VL: the vision tower the encode worker builds by default, and a language
     model of ``layers`` layers (one by default) whose width is the tower's output width."""
@@ -89,7 +99,7 @@ def model_config(hidden_size: int, ids: dict[str, int], layers: int = 1) -> dict
             "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "hidden_act": "silu",
             "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [16, 24, 24]},
             "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"]}
+            "pad_token_id": ids["<|endoftext|>"], "initializer_range": TEXT_INIT}
     return {"text_config": text, "vision_config": small_tower_config(hidden_size),
             "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
             "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
@@ -123,11 +133,58 @@ def write_checkpoint(folder: str | Path, hidden_size: int = 3584, seed: int = 0,
     return folder
 
 
+# A small Qwen3-VL: 16 px patches, a learned position table, two deepstack layers (so SGLang's
+# encoder sends rows of 256 x 3 = 768), and a language model of two layers (one per deepstack
+# layer, which it adds to its first two layers' hidden states).
+QWEN3_HIDDEN, QWEN3_PATCH = 256, 16
+QWEN3_VISION = dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=QWEN3_HIDDEN,
+                    hidden_act="gelu_pytorch_tanh", patch_size=QWEN3_PATCH, spatial_merge_size=MERGE,
+                    temporal_patch_size=TEMPORAL, num_position_embeddings=2304, deepstack_visual_indexes=[0, 1])
+
+
+def write_qwen3_vl_checkpoint(folder: str | Path, seed: int = 0) -> Path:
+    """A seeded Qwen3-VL folder (see :data:`QWEN3_VISION`), with its image and video processor configs."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(folder)
+    text = {"vocab_size": VOCAB_SIZE, "hidden_size": QWEN3_HIDDEN, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6, "hidden_act": "silu", "initializer_range": TEXT_INIT,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
+                                "mrope_interleaved": True},
+            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}
+    config = Qwen3VLConfig(text_config=text, vision_config=QWEN3_VISION, image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    pixels = {"patch_size": QWEN3_PATCH, "merge_size": MERGE, "temporal_patch_size": TEMPORAL,
+              "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_resize": True, "do_rescale": True,
+              "do_normalize": True, "do_convert_rgb": True, "rescale_factor": 1 / 255}
+    factor = QWEN3_PATCH * MERGE  # Qwen3-VL's hub bounds: 64 to 16384 tokens per image
+    image = {"image_processor_type": "Qwen2VLImageProcessor", **pixels,
+             "size": {"shortest_edge": 64 * factor * factor, "longest_edge": 16384 * factor * factor}}
+    video = {"video_processor_type": "Qwen3VLVideoProcessor", **pixels, "fps": 2, "min_frames": 4, "max_frames": 768,
+             "do_sample_frames": True, "size": {"shortest_edge": 4096, "longest_edge": 25165824}}
+    (folder / "preprocessor_config.json").write_text(json.dumps(image, indent=1))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video, indent=1))
+    return folder
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder")
     ap.add_argument("--hidden-size", type=int, default=3584, help="language width = vision output (default 3584)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=1, help="language model layers (default 1)")
+    ap.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl",
+                    help="qwen3_vl: a fixed small shape (--hidden-size and --layers do not apply)")
     args = ap.parse_args()
-    print(write_checkpoint(args.folder, args.hidden_size, args.seed, args.layers))
+    if args.family == "qwen3_vl":
+        print(write_qwen3_vl_checkpoint(args.folder, args.seed))
+    else:
+        print(write_checkpoint(args.folder, args.hidden_size, args.seed, args.layers))

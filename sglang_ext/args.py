@@ -20,6 +20,7 @@ from embedding_side.images import DEFAULT_DECODE_BYTES, DEFAULT_MAX_BYTES, DEFAU
 MODES = ("encode", "language")
 LANGUAGE_BACKENDS = ("sglang", "native")
 DEFAULT_KV_TOKENS = 65536
+ENCODERS = ("sglang", "qwen", "fake")
 DEFAULT_MAX_IMAGES = 16  # per request, as an encoder takes per /encode
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 KV_HELP = ("bytes = tokens x 2 x layers x KV heads x head dim x dtype size: 2 KiB per token for the seeded "
@@ -135,8 +136,10 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                         "before it is read, or as soon as a streamed body passes it (default %(default)s = "
                         f"{DEFAULT_MAX_BODY_BYTES >> 20} MiB: a few large data: images)")
     g = parser.add_argument_group("embedding transfer")
-    g.add_argument("--encoder", choices=["qwen", "fake"], default="qwen",
-                   help="encode side: transformers Qwen2.5-VL tower, or the numpy fake for tests (default %(default)s)")
+    g.add_argument("--encoder", choices=ENCODERS, default=None,
+                   help="encode side: sglang = SGLang's own encoder for --model-path (every family its --encoder-only "
+                        "serves; the default under python -m sglang.launch_server with --model-path), qwen = "
+                        "transformers' Qwen2.5-VL tower (the default otherwise), fake = numpy, for tests")
     g.add_argument("--hidden-size", type=int, default=None,
                    help=f"embedding width: the language model's hidden size, read from --model-path's config.json "
                         f"(else {d.hidden_size}); give it only to override")
@@ -194,14 +197,24 @@ def embedding_width(args: argparse.Namespace) -> int:
         try:
             with open(path, encoding="utf-8") as f:
                 config = json.load(f)
-            width = (config.get("text_config") or {}).get("hidden_size") or config.get("hidden_size") \
-                or (config.get("vision_config") or {}).get("out_hidden_size")
+            width = _config_width(config)
         except (OSError, ValueError, AttributeError) as exc:
             raise SystemExit(f"error: cannot read the embedding width from {path}: {exc}") from None
         if not isinstance(width, int) or width <= 0:
             raise SystemExit(f"error: {path} names no hidden_size; pass --hidden-size")
         return width
     return ConnectorConfig.hidden_size
+
+
+def _config_width(config: dict) -> int | None:
+    """A checkpoint's embedding width: the vision tower's output, times (1 + deepstack layers)
+    where the tower also hands its intermediate layers to the language model (Qwen3-VL: SGLang's
+    encoder sends them side by side in one row), else the language model's hidden size."""
+    vision = config.get("vision_config") or {}
+    deepstack = vision.get("deepstack_visual_indexes") or []
+    if isinstance(vision.get("out_hidden_size"), int):
+        return vision["out_hidden_size"] * (1 + len(deepstack))
+    return (config.get("text_config") or {}).get("hidden_size") or config.get("hidden_size")
 
 
 def connector_config(args: argparse.Namespace) -> ConnectorConfig:

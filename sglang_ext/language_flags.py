@@ -48,18 +48,7 @@ DIST_INIT_ENV = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"  # SGLang's own overri
 def sglang_argv(argv: list[str], ours: argparse.Namespace) -> list[str]:
     """``argv`` with our language mode written as SGLang's language-only mode, plus the defaults
     of the module docstring (each only where the user gave no value of their own)."""
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in OUR_MODE_FLAGS:
-            skip = "=" not in arg and name != "--language-only"
-            continue
-        out.append(arg)
-    out += SGLANG_FLAGS
+    out = without_flags(argv, OUR_MODE_FLAGS, valueless=("--language-only",)) + list(SGLANG_FLAGS)
     if on_cpu(argv):
         if flag_value(argv, "--attention-backend") is None:
             out += ["--attention-backend", "torch_native"]
@@ -157,6 +146,22 @@ def distributed_init_method(argv: list[str]) -> None:
     folder = tempfile.mkdtemp(prefix="epd-dist-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     os.environ[DIST_INIT_ENV] = f"file://{os.path.join(folder, 'store')}"
+
+
+def without_flags(argv: list[str], flags: tuple[str, ...], valueless: tuple[str, ...] = ()) -> list[str]:
+    """``argv`` less each of ``flags`` and its value (``valueless`` ones take none)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in arg and name not in valueless
+            continue
+        out.append(arg)
+    return out
 
 
 def flag_value(argv: list[str], flag: str) -> str | None:

@@ -48,13 +48,11 @@ def build(args: argparse.Namespace) -> Built:
     except ValueError as exc:
         raise SystemExit(f"invalid configuration: {exc}") from None
     if args.disaggregation_mode == "encode":
-        from embedding_side.encoders import FakeEncoder, QwenVisionEncoder
         from embedding_side.http_api import build_app
         from embedding_side.images import MediaPolicy
         from embedding_side.worker import EncodeWorker
 
-        encoder = (FakeEncoder(config.hidden_size) if args.encoder == "fake"
-                   else QwenVisionEncoder(args.model_path, device=args.device or "cpu"))
+        encoder = _encoder(args, config)
         media = MediaPolicy.create(args.allowed_local_media_path or (), args.allowed_media_domains,
                                    allow_private=args.allow_private_media_urls, max_bytes=args.image_max_bytes,
                                    fetch_timeout=args.image_fetch_timeout, max_pixels=args.max_image_pixels,
@@ -100,6 +98,28 @@ def build(args: argparse.Namespace) -> Built:
         extra += f" encoders={','.join(args.encoder_urls)}"
     return Built(worker, build_app(worker, allowed, service, dispatch, args.model_path or "", args.admin_api_key),
                  config, extra)
+
+
+def _encoder(args: argparse.Namespace, config: ConnectorConfig):
+    """The encode worker's encoder: ``--encoder``, else SGLang's own where SGLang's launcher
+    started us with a checkpoint, else transformers' Qwen2.5-VL tower."""
+    from embedding_side.encoders import FakeEncoder, QwenVisionEncoder
+
+    server_args = getattr(args, "sglang_server_args", None)  # the plugin's, parsed by SGLang
+    kind = args.encoder or ("sglang" if server_args is not None else "qwen")
+    if kind == "fake":
+        return FakeEncoder(config.hidden_size)
+    if kind == "qwen":
+        return QwenVisionEncoder(args.model_path, device=args.device or "cpu")
+    if not args.model_path:
+        raise SystemExit("error: --encoder sglang needs --model-path (the checkpoint SGLang's encoder serves)")
+    from embedding_side.sglang_encoder import SGLangEncoder
+    from sglang_ext.encoder_flags import standalone_server_args
+
+    try:
+        return SGLangEncoder(server_args if server_args is not None else standalone_server_args(args))
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> None:

@@ -12,7 +12,8 @@ Two hooks on public-facing SGLang functions decide the mode:
 The language mode's hooks on SGLang's tokenizer manager live in
 :mod:`sglang_ext.language_server`; one more, in every mode, gives SGLang's ``torch_native``
 attention backend (the CPU one) an extend without padded queries
-(:mod:`sglang_ext.cpu_attention`).
+(:mod:`sglang_ext.cpu_attention`), and another SGLang's vision attention on a CPU a mask-free
+one (:mod:`sglang_ext.cpu_vision_attention`).
 
 SGLang runs plugins in every process it starts (schedulers, detokenizers); there this costs a
 version check and the registrations, and imports nothing of ours until a hook is called.
@@ -42,6 +43,7 @@ OPENAI_REQUEST = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.h
 RESOLVED_DICT = "sglang.srt.server_args.ServerArgs.resolved_dict"  # what /server_info and the logs show
 TORCH_NATIVE_EXTEND = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
                        "_run_sdpa_forward_extend")
+VISION_SDPA = "sglang.srt.layers.attention.vision.VisionSdpaAttention.forward"  # the vision towers' CPU attention
 # SGLang transfer backends and the Mooncake protocol each maps to (None: from --mooncake-protocol)
 BACKENDS = {"mooncake": None, "mooncake_tcp": "tcp"}
 
@@ -71,6 +73,7 @@ def register() -> None:
     for method, name in LANGUAGE_SERVER_HOOKS.items():
         HookRegistry.register(f"{TOKENIZER_MANAGER}.{method}", _language_server_hook(name), HookType.AROUND)
     HookRegistry.register(TORCH_NATIVE_EXTEND, _around_torch_native_extend, HookType.AROUND)
+    HookRegistry.register(VISION_SDPA, _around_vision_sdpa, HookType.AROUND)
     HookRegistry.register(OPENAI_REQUEST, _language_server_hook("around_openai_request"), HookType.AROUND)
     HookRegistry.register(RESOLVED_DICT, _after_resolved_dict, HookType.AFTER)
 
@@ -112,6 +115,10 @@ def _around_prepare_server_args(original, argv, *args, **kwargs):
         sglang_args._launch_command = redact_command_line(sglang_args.launch_command)
         arm(ours)
         return sglang_args
+    if ours.disaggregation_mode == "encode" and ours.model_path and ours.encoder in (None, "sglang"):
+        from sglang_ext.encoder_flags import encoder_argv
+
+        ours.sglang_server_args = original(encoder_argv(argv), *args, **kwargs)  # SGLang's own encoder's
     from sglang_ext.launch_server import run
 
     run(ours)
@@ -140,6 +147,12 @@ def _around_torch_native_extend(original, *args, **kwargs):
     from sglang_ext.cpu_attention import extend_without_padding
 
     return extend_without_padding(original, *args, **kwargs)
+
+
+def _around_vision_sdpa(original, *args, **kwargs):
+    from sglang_ext.cpu_vision_attention import segmented_attention
+
+    return segmented_attention(original, *args, **kwargs)
 
 
 def our_mode(server_args) -> str | None:

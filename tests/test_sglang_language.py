@@ -1,10 +1,13 @@
 """SGLang's own server as the language worker (``--disaggregation-mode language`` through
-``python -m sglang.launch_server``), fed by our encode worker through the resumable connector.
+``python -m sglang.launch_server``), fed by SGLang's own encoder in our encode worker
+(``--disaggregation-mode encode`` through the same launcher) through the resumable connector.
 
 One encode worker and one SGLang language server for the module (SGLang takes about a minute to
 start on this CPU). Every generated id is checked against transformers' monolithic ``generate``
 from the pixels on the same checkpoint, through SGLang's native ``/generate``, its stream and
-its OpenAI API (the official ``openai`` client).
+its OpenAI API (the official ``openai`` client): equal, or equal up to a step where the reference
+itself had a near tie (``monolithic.greedy_mismatch``: SGLang's tower and language model round
+some bf16 values differently from transformers').
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from monolithic import reference_tokens
+from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs
 from transfer_large_image import make_image
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 from workers import SGLANG_READY, WorkerProcess, free_port
@@ -63,7 +66,7 @@ def workers(folder, tmp_path_factory):
     """The encoder and the SGLang language server every test uses; a second language server on
     the same encoder (smg's second one, then killed and started again on its checkpoint folder)
     starts beside the first, so both start in one wait."""
-    encode = WorkerProcess("encode", "--model-path", folder, "--admin-api-key", ADMIN_KEY)
+    encode = WorkerProcess("encode", "--model-path", folder, "--admin-api-key", ADMIN_KEY, command=SGLANG_LAUNCH)
     LANGUAGE_ARGS[:] = ["language", "--model-path", folder, "--encoder-urls", encode.url, "--max-total-tokens", "32768",
                         "--skip-server-warmup", "--enable-metrics"]
     # the second server on SGLang's defaults where the first names its own: its KV pool is this mode's
@@ -102,13 +105,13 @@ def reference(folder):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
 
-    def tokens(paths: list[str], new_tokens: int = NEW_TOKENS) -> list[int]:
+    def greedy(paths: list[str], new_tokens: int = NEW_TOKENS) -> Greedy:
         from PIL import Image
 
         pictures = [Image.open(p).convert("RGB") for p in paths]
-        return reference_tokens(model, encoder, tokenizer, prompt(len(paths)), pictures, new_tokens)
+        return greedy_generate(model, reference_inputs(encoder, tokenizer, prompt(len(paths)), pictures), new_tokens)
 
-    return tokens
+    return greedy
 
 
 def prompt(n_images: int) -> str:
@@ -130,7 +133,7 @@ def test_greedy_ids_equal_monolithic(workers, images, reference, size) -> None:
     answer = generate(language, [images[size]], f"mono-{size}")
     assert answer.status_code == 200, answer.text
     body = answer.json()
-    assert body["output_ids"] == reference([images[size]])
+    assert greedy_mismatch(body["output_ids"], reference([images[size]])) is None
     meta = body["meta_info"]
     assert meta["completion_tokens"] == NEW_TOKENS
     assert meta["resume_rounds"] == (1 if size == "3840x2160" else 0)
@@ -142,7 +145,7 @@ def test_two_images_in_one_prompt_equal_monolithic(workers, images, reference) -
     paths = [images["other"], images["448x448"]]
     answer = generate(language, paths, "two-images")
     assert answer.status_code == 200, answer.text
-    assert answer.json()["output_ids"] == reference(paths)
+    assert greedy_mismatch(answer.json()["output_ids"], reference(paths)) is None
 
 
 def test_a_repeated_image_is_served_from_the_radix_cache(workers, images, reference) -> None:
@@ -150,7 +153,8 @@ def test_a_repeated_image_is_served_from_the_radix_cache(workers, images, refere
     _, language = workers
     first = generate(language, [images["1920x1080"]], "radix-1").json()
     second = generate(language, [images["1920x1080"]], "radix-2").json()
-    assert second["output_ids"] == first["output_ids"] == reference([images["1920x1080"]])
+    assert second["output_ids"] == first["output_ids"]
+    assert greedy_mismatch(first["output_ids"], reference([images["1920x1080"]])) is None
     assert second["meta_info"]["cached_tokens"] >= second["meta_info"]["prompt_tokens"] - 8, second["meta_info"]
 
 
@@ -305,7 +309,7 @@ def test_the_stream_is_sglangs_own(workers, images, reference) -> None:
     assert all(c["meta_info"]["resume_rounds"] == 0 and c["meta_info"]["transfer_ms"] > 0 for c in chunks), chunks
     ids = chunks[-1]["output_ids"] if len(chunks[-1]["output_ids"]) == NEW_TOKENS else \
         [t for c in chunks for t in c["output_ids"]]
-    assert ids == reference([images["448x448"]])
+    assert greedy_mismatch(ids, reference([images["448x448"]])) is None
 
 
 def test_the_openai_client_gets_logprobs_and_n(workers, images, reference, folder) -> None:
@@ -369,7 +373,7 @@ def test_sleep_and_wake_keep_a_request_waiting_for_its_embedding(workers, images
         assert woke.status_code == 200 and woke.json()["is_sleeping"] is False, woke.text
         answer = pending.result(timeout=240)
     assert answer.status_code == 200, answer.text
-    assert answer.json()["output_ids"] == reference([images["3840x2160"]])
+    assert greedy_mismatch(answer.json()["output_ids"], reference([images["3840x2160"]])) is None
     assert answer.json()["meta_info"]["resume_rounds"] >= 1  # its resume round, and one more after the wake-up
 
 
@@ -416,7 +420,7 @@ def test_sleep_and_wake_mid_decode_lose_no_token(workers, images, reference) -> 
     awake = generate(language, [images["448x448"]], "no-sleep-decode",
                      sampling_params={"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}).json()
     assert ids == awake["output_ids"]
-    assert ids[:NEW_TOKENS] == reference([images["448x448"]])
+    assert greedy_mismatch(ids[:NEW_TOKENS], reference([images["448x448"]])) is None
 
 
 def test_a_level_2_sleep_retracts_and_every_token_still_comes(workers, images) -> None:
@@ -565,13 +569,13 @@ def test_a_language_server_killed_asleep_restarts_from_disk_and_its_requests_go_
     assert woke.status_code == 200, woke.text
     big = requests.post(f"{restarted.url}/generate", json=big_body, timeout=240)
     assert big.status_code == 200, big.text
-    assert big.json()["output_ids"] == reference([images["3840x2160"]])
+    assert greedy_mismatch(big.json()["output_ids"], reference([images["3840x2160"]])) is None
     again = requests.post(f"{restarted.url}/generate", json=decode_body, timeout=240, stream=True)
     events = [json.loads(line[6:]) for line in again.iter_lines() if line.startswith(b"data: {")]
     ids, meta = events[-1]["output_ids"], events[-1]["meta_info"]
     assert len(ids) == new_tokens and meta["completion_tokens"] == new_tokens, meta
     assert meta["restored_tokens"] >= len(before) and ids[:len(before)] == before
-    assert ids[:NEW_TOKENS] == reference([images["448x448"]])
+    assert greedy_mismatch(ids[:NEW_TOKENS], reference([images["448x448"]])) is None
     assert all_free(requests.get(f"{restarted.url}/epd/health", timeout=10).json())
     folder = Path(SECOND_ARGS[SECOND_ARGS.index("--checkpoint-dir") + 1])
     assert not any(folder.iterdir())  # every checkpoint consumed

@@ -1,0 +1,177 @@
+"""SGLang's own multimodal encoder (its preprocessing, the model's vision tower, its batching) as
+the encode worker's encoder, in this process.
+
+SGLang's encoder server (``--encoder-only``) is an HTTP app around an ``MMEncoder`` (the model
+file's ``get_image_feature`` on SGLang's model class, the checkpoint's HF processor, all of it
+chosen by the checkpoint's architecture) and an ``EncoderScheduler`` (concurrent requests fused
+into one forward pass, up to ``SGLANG_ENCODER_MAX_BATCH_SIZE``). Its transfer backends push the
+result to a language server; ours is the resumable connector, which the language side pulls
+through. So the worker builds those two objects as SGLang's runtime does (one rank), runs them on
+an event loop of their own (the forward pass blocks the loop it runs on), submits each request's
+decoded images to the scheduler from its compute threads, takes the staged embedding and
+releases it: SGLang's delivery objects never run.
+
+The geometry admission needs before the forward pass (tokens per image, from the header) is the
+checkpoint processor's own ``smart_resize`` settings; the result's token count is checked
+against it. Families whose processor is not of Qwen's kind (patch, merge, pixel bounds) are
+refused at start: their token count cannot be known before encoding yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from connector.failures import FailureKind, TransferFailure
+from embedding_side.encoders import EncodedImages, check_shape, settings_fingerprint
+
+log = logging.getLogger(__name__)
+
+# the role SGLang's runtime context is published under for its encoder
+ENCODER_ROLE = "encoder"
+
+
+class SGLangEncoder:
+    """``VisionEncoder`` over SGLang's ``MMEncoder`` and ``EncoderScheduler`` (see the module
+    docstring); ``server_args`` are SGLang's, parsed for ``--encoder-only``."""
+
+    def __init__(self, server_args) -> None:
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()  # our hooks (the CPU vision attention); a no-op under SGLang's launcher
+        self.server_args = server_args
+        self.model_path = server_args.model_path
+        self.encoder, self.scheduler = _build_runtime(server_args)
+        config = self.encoder.model_config.hf_config
+        self.model_type = self.encoder.model_type
+        self.name = f"sglang:{self.model_type}"
+        from sglang.srt.managers.schedule_batch import Modality
+
+        self._image = Modality.IMAGE
+        self.hidden_size = int(self.encoder._embedding_dims[Modality.IMAGE])
+        self.dtype = self.encoder._embedding_dtype
+        processor = self.encoder.preprocessor.image_processor
+        self.patch_size, self.merge_size, self._min_pixels, self._max_pixels = _qwen_geometry(
+            processor, self.encoder.preprocessor.vision_config.get("image", {}), self.name)
+        self.image_token_id = int(getattr(config, "image_token_id", None) or getattr(config, "image_token_index"))
+        self.max_batch = self.scheduler.max_batch_size
+        self._fingerprint = settings_fingerprint({
+            "encoder": self.name, "processor": processor.to_dict(), "mm_process_config": self.encoder.preprocessor.vision_config,
+            "dtype": str(self.dtype), "model": _model_files(Path(self.model_path))})
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name="sglang-encoder", daemon=True)
+        self._thread.start()
+        log.info("SGLang's encoder for %s: %s, width %d, %s, batches of up to %d", self.model_path, self.name,
+                 self.hidden_size, self.dtype, self.max_batch)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.call_soon(self.scheduler.start)
+        self._loop.run_forever()
+
+    def fingerprint(self) -> str:
+        """What an embedding depends on besides the image: the processor's settings, SGLang's
+        ``--mm-process-config``, the model's config and weight files (name, size, mtime), dtype."""
+        return self._fingerprint
+
+    def resize(self, height: int, width: int) -> tuple[int, int]:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        check_shape(height, width)
+        return smart_resize(height, width, factor=self.patch_size * self.merge_size, min_pixels=self._min_pixels,
+                            max_pixels=self._max_pixels)
+
+    def offload(self, level: int) -> None:
+        """Level 1 keeps the weights in host memory (moved there from a GPU), level 2 drops them."""
+        if level == 1:
+            if self.encoder.device != "cpu":
+                self.encoder.model.to("cpu")
+        else:
+            self.encoder.model = None
+
+    def reload(self) -> None:
+        from sglang.srt.model_loader import get_model
+
+        if self.encoder.model is None:
+            self.encoder.model = get_model(model_config=self.encoder.model_config, load_config=self.encoder.load_config,
+                                           device_config=self.encoder.device_config)
+        elif self.encoder.device != "cpu":
+            self.encoder.model.to(self.encoder.device)
+
+    def encode(self, images: list[Image.Image]) -> EncodedImages:
+        """One request's images through SGLang's scheduler (batched with whatever else is queued
+        there); called from a worker thread, it waits for the result."""
+        rid = f"epd-{uuid.uuid4().hex}"
+        future = asyncio.run_coroutine_threadsafe(self._encode(rid, images), self._loop)
+        try:
+            embedding, grids = future.result()
+        except BaseException:
+            future.cancel()
+            raise
+        import torch
+
+        rows = embedding.to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy()
+        return EncodedImages(np.ascontiguousarray(rows), grids, self.hidden_size)
+
+    async def _encode(self, rid: str, images: list[Image.Image]):
+        request = {"req_id": rid, "modality": "IMAGE", "mm_items": list(images), "num_parts": 1, "part_idx": 0}
+        try:
+            _, tokens, width, error, status = await self.scheduler.submit(request)
+            if error is not None:
+                kind = FailureKind.BAD_REQUEST if status == 400 else FailureKind.INTERNAL
+                raise TransferFailure(kind, f"SGLang's encoder: {error}")
+            staged = self.encoder.req_states[rid].embedding_data
+            if width != self.hidden_size or staged.embedding.shape[0] != tokens:
+                raise TransferFailure(FailureKind.INTERNAL, f"SGLang's encoder returned {tokens}x{width}, "
+                                                            f"expected width {self.hidden_size}")
+            grids = [tuple(int(x) for x in row) for row in staged.grid_dim.tolist()]
+            return staged.embedding, grids
+        finally:
+            await self.encoder.release_request(rid)
+
+
+def _build_runtime(server_args):
+    """SGLang's ``launch_local_runtime`` for one rank, except that torch.distributed's one-rank
+    group uses a file store in a private folder: SGLang's would be a TCP store, which listens on
+    every interface."""
+    from sglang.srt.disaggregation.encoder import server as encoder_server
+    from sglang.srt.disaggregation.encoder.runtime import EncoderScheduler, _resolve_encoder_batch_policy
+    from sglang.srt.runtime_context import publish
+
+    if server_args.tp_size != 1 or server_args.dp_size != 1:
+        raise ValueError("SGLang's encoder in the encode worker runs one rank (--tp-size 1, --dp-size 1)")
+    publish(server_args, role=ENCODER_ROLE)
+    store = Path(tempfile.mkdtemp(prefix="epd-encoder-dist-")) / "store"
+    encoder = encoder_server.MMEncoder(server_args, dist_init_method=f"file://{store}")
+    max_batch, coalesce = _resolve_encoder_batch_policy(encoder.model_type, encoder_server.ENCODER_MAX_BATCH_SIZE,
+                                                        encoder_server.ENCODER_MAX_BATCH_SIZE_EXPLICIT)
+    return encoder, EncoderScheduler(encoder, [], max_batch_size=max_batch, coalesce_same_turn=coalesce)
+
+
+def _qwen_geometry(processor, overrides: dict, name: str) -> tuple[int, int, int, int]:
+    """(patch, merge, min_pixels, max_pixels) of a Qwen-style image processor, with the
+    ``--mm-process-config`` image settings SGLang passes it; ValueError for any other kind."""
+    patch, merge = getattr(processor, "patch_size", None), getattr(processor, "merge_size", None)
+    size = dict(getattr(processor, "size", None) or {})
+    low = overrides.get("min_pixels") or size.get("shortest_edge") or getattr(processor, "min_pixels", None)
+    high = overrides.get("max_pixels") or size.get("longest_edge") or getattr(processor, "max_pixels", None)
+    if not all(isinstance(v, int) and v > 0 for v in (patch, merge, low, high)):
+        raise ValueError(f"{name}: the image processor {type(processor).__name__} has no Qwen-style geometry "
+                         f"(patch_size, merge_size, min/max pixels); this encode worker cannot size its images "
+                         f"before encoding them")
+    return patch, merge, low, high
+
+
+def _model_files(folder: Path) -> list:
+    """The checkpoint's config (its hash) and weight files (name, size, mtime)."""
+    config = folder / "config.json"
+    weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.glob("*.safetensors"))
+    return [hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None, weights]

@@ -1,0 +1,155 @@
+"""SGLang's own encoder as the encode worker (``python -m sglang.launch_server
+--disaggregation-mode encode``), sending through the resumable connector to SGLang's own language
+server, on a family our former tower never knew: Qwen3-VL (16 px patches, deepstack rows of
+256 x 3 = 768). Qwen2.5-VL runs the same way in test_sglang_language.
+
+One encoder and one language server for the module. The language side allocates 2048 tokens
+first, so the 3840x2160 image (8,160 tokens) is sent in several resume rounds. Every generated id
+is checked against transformers' monolithic ``generate`` from the pixels (its own processor and
+model) on the same checkpoint, whose greedy ids depend on the picture (checked too): equal, or
+equal up to a near tie of the reference's (``monolithic.greedy_mismatch``).
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+from make_checkpoint import write_qwen3_vl_checkpoint
+from monolithic import Greedy, greedy_generate, greedy_mismatch
+from PIL import Image
+from transfer_large_image import make_image
+from workers import SGLANG_READY, WorkerProcess
+
+pytestmark = pytest.mark.sglang
+
+SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
+NEW_TOKENS = 12
+PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "3840x2160": (3840, 2160)}
+FIRST_ALLOCATION = 2048  # tokens the language side allocates before it knows an image's size
+ENCODER_PEAK_BYTES = 3 << 30  # the encode worker's resident peak with the 4K image (the issue's bound)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return str(write_qwen3_vl_checkpoint(tmp_path_factory.mktemp("qwen3-vl")))
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("qwen3-images")
+    paths = {}
+    for i, (name, (w, h)) in enumerate(SIZES.items()):
+        paths[name] = str(root / f"{name}.png")
+        make_image(w, h, seed=40 + i).save(paths[name])
+    paths["other"] = str(root / "other.png")
+    make_image(640, 336, seed=60).save(paths["other"])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def workers(folder):
+    encode = WorkerProcess("encode", "--model-path", folder, command=SGLANG_LAUNCH)
+    try:
+        language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url,
+                                 "--max-total-tokens", "32768", "--skip-server-warmup",
+                                 "--embedding-default-allocate-buffer-size", str(FIRST_ALLOCATION),
+                                 command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
+    except BaseException:
+        encode.stop()
+        raise
+    yield encode, language
+    language.stop()
+    encode.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """transformers' own Qwen3-VL ``generate`` from the pixels: its processor expands the
+    placeholders and makes the patches, its model runs the tower."""
+    import torch
+    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(folder)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).eval()
+
+    def greedy(paths: list[str]) -> Greedy:
+        pictures = [Image.open(p).convert("RGB") for p in paths]
+        return greedy_generate(model, processor(text=[prompt(len(paths))], images=pictures, return_tensors="pt"),
+                               NEW_TOKENS)
+
+    return greedy
+
+
+def prompt(n_images: int) -> str:
+    return PROMPT.format(images=IMAGE * n_images)
+
+
+def generate(language: WorkerProcess, paths: list[str], rid: str, new_tokens: int = NEW_TOKENS) -> requests.Response:
+    body = {"rid": rid, "text": prompt(len(paths)), "image_data": paths,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+    return requests.post(f"{language.url}/generate", json=body, timeout=300)
+
+
+def test_the_encode_worker_runs_sglangs_encoder_for_the_checkpoint(workers) -> None:
+    encode, _ = workers
+    assert "encoder=sglang:qwen3_vl" in encode.ready_line, encode.ready_line
+    health = requests.get(f"{encode.url}/health", timeout=10).json()
+    assert health["status"] == "ok" and health["preprocessing"], health
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_greedy_ids_equal_monolithic(workers, images, reference, size) -> None:
+    """The 4K image's 8,160 rows (768 wide: the tower's output and its two deepstack layers) come
+    in resume rounds after the first 2,048-token allocation; the encoder stays under 3 GB."""
+    encode, language = workers
+    answer = generate(language, [images[size]], f"qwen3-{size}")
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert greedy_mismatch(body["output_ids"], reference([images[size]])) is None
+    meta = body["meta_info"]
+    assert meta["encode_ms"] > 0, meta
+    if size == "448x448":
+        assert meta["resume_rounds"] == 0, meta
+    if size == "3840x2160":
+        assert meta["resume_rounds"] >= 1, meta
+        peak = _peak_resident_bytes(encode.proc.pid)
+        assert peak < ENCODER_PEAK_BYTES, f"the encoder peaked at {peak / 2**30:.2f} GiB"
+
+
+def test_two_images_in_one_prompt_equal_monolithic(workers, images, reference) -> None:
+    _, language = workers
+    paths = [images["448x448"], images["other"]]
+    answer = generate(language, paths, "qwen3-two")
+    assert answer.status_code == 200, answer.text
+    assert greedy_mismatch(answer.json()["output_ids"], reference(paths)) is None
+
+
+def test_the_reference_depends_on_the_picture(reference, images) -> None:
+    """Else the equality checks above would pass for any embedding."""
+    assert reference([images["448x448"]]).ids != reference([images["other"]]).ids
+
+
+def test_concurrent_requests_are_batched_by_sglangs_scheduler(workers, images) -> None:
+    """Eight 1920x1080 requests at once: all answered, and SGLang's encoder fused some of them
+    into one forward pass (its log says so for every batch of more than one)."""
+    encode, language = workers
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: generate(language, [images["1920x1080"]], f"qwen3-batch-{i}", 1), range(8)))
+    assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers if a.status_code != 200]
+    batched = [line for line in encode.log if "IMAGE requests completed" in line]
+    assert batched, "no fused batch in the encoder's log"
+
+
+def _peak_resident_bytes(pid: int) -> int:
+    """The process's resident high-water mark (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return psutil.Process(pid).memory_info().rss

@@ -1,0 +1,94 @@
+"""embedding_side/sglang_encoder.py in this process, on a seeded Qwen3-VL checkpoint: SGLang's
+encoder's rows equal transformers' own tower's, the token counts known before encoding are the
+ones it produces, batching and sleep change nothing, and what it cannot serve is refused."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from make_checkpoint import write_qwen3_vl_checkpoint
+from PIL import Image
+from transfer_large_image import make_image
+
+from embedding_side.encoders import tokens_for
+from sglang_ext.args import embedding_width
+from sglang_ext.encoder_flags import encoder_argv, standalone_server_args
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return str(write_qwen3_vl_checkpoint(tmp_path_factory.mktemp("qwen3-units")))
+
+
+@pytest.fixture(scope="module")
+def encoder(folder):
+    from embedding_side.sglang_encoder import SGLangEncoder
+
+    return SGLangEncoder(standalone_server_args(argparse.Namespace(model_path=folder, host="127.0.0.1", device="cpu")))
+
+
+def rows(encoded) -> torch.Tensor:
+    return torch.from_numpy(encoded.embeddings.copy()).view(torch.bfloat16).float()
+
+
+def test_geometry_and_width_come_from_the_checkpoint(encoder, folder) -> None:
+    assert encoder.name == "sglang:qwen3_vl"
+    assert (encoder.patch_size, encoder.merge_size) == (16, 2)
+    # the tower's output and its two deepstack layers side by side, as the language side splits them
+    assert encoder.hidden_size == 256 * 3 == embedding_width(argparse.Namespace(hidden_size=None, model_path=folder))
+
+
+def test_rows_equal_transformers_tower(encoder, folder) -> None:
+    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(folder)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    picture = make_image(640, 336, seed=5)
+    inputs = processor.image_processor(images=[picture], return_tensors="pt")
+    with torch.inference_mode():
+        out = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    expected = torch.cat([torch.cat(out.pooler_output), *(torch.cat(f) for f in out.deepstack_features)], dim=1).float()
+    got = rows(encoder.encode([picture]))
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() <= 0.02 * expected.abs().max(), (got - expected).abs().max()
+
+
+def test_token_counts_before_encoding_are_the_encoders(encoder) -> None:
+    for width, height in [(448, 448), (57, 1000), (1921, 1079), (33, 33)]:
+        picture = Image.new("RGB", (width, height), (90, 30, 200))
+        encoded = encoder.encode([picture])
+        t, h, w = encoded.grid_thw[0]
+        assert tokens_for(picture, encoder) == encoded.embeddings.shape[0] == t * h * w // 4, (width, height)
+
+
+def test_a_batch_and_a_sleep_change_no_row(encoder) -> None:
+    pictures = [make_image(448, 448, seed=1), make_image(320, 640, seed=2)]
+    alone = torch.cat([rows(encoder.encode([p])) for p in pictures])
+    together = rows(encoder.encode(pictures))
+    assert torch.equal(alone, together)
+    encoder.offload(2)  # the weights dropped, then read again from the checkpoint
+    assert encoder.encoder.model is None
+    encoder.reload()
+    assert torch.equal(rows(encoder.encode(pictures)), together)
+
+
+def test_encoder_argv_is_sglangs_encoder_only_mode() -> None:
+    argv = ["--model-path", "m", "--disaggregation-mode", "encode", "--disaggregation-transfer-backend", "mooncake",
+            "--mm-attention-backend", "sdpa", "--num-blocks", "8", "--device", "cpu"]
+    assert encoder_argv(argv) == ["--model-path", "m", "--mm-attention-backend", "sdpa", "--num-blocks", "8",
+                                  "--device", "cpu", "--encoder-only", "--encoder-transfer-backend",
+                                  "zmq_to_tokenizer"]
+
+
+def test_a_processor_without_qwen_geometry_is_refused() -> None:
+    from embedding_side.sglang_encoder import _qwen_geometry
+
+    with pytest.raises(ValueError, match="no Qwen-style geometry"):
+        _qwen_geometry(object(), {}, "sglang:other")
+    assert _qwen_geometry(argparse.Namespace(patch_size=14, merge_size=2, size={"shortest_edge": 3136,
+                                                                                "longest_edge": 12845056}),
+                          {"max_pixels": 1 << 20}, "x") == (14, 2, 3136, 1 << 20)
