@@ -61,7 +61,7 @@ class SGLangEncoder:
         processor = self.encoder.preprocessor.image_processor
         self.patch_size, self.merge_size, self._min_pixels, self._max_pixels = _qwen_geometry(
             processor, self.encoder.preprocessor.vision_config.get("image", {}), self.name)
-        self.image_token_id = int(getattr(config, "image_token_id", None) or getattr(config, "image_token_index"))
+        self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
         self.max_batch = self.scheduler.max_batch_size
         self._fingerprint = settings_fingerprint({
             "encoder": self.name, "processor": processor.to_dict(), "mm_process_config": self.encoder.preprocessor.vision_config,

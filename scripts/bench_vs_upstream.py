@@ -1,23 +1,29 @@
 """Ours against upstream SGLang EPD, side by side in one run, on one checkpoint and the same images.
 
-* ours: this project's encode worker + SGLang's own language server fed by the resumable
-  connector (``python -m sglang.launch_server --disaggregation-mode language --encoder-urls``);
-* upstream: SGLang's ``--encoder-only`` server + ``--language-only --encoder-urls
+Three stacks, all up at once, each a language server fed by an encoder:
+
+* ``sglang``: SGLang's own encoder in our encode worker, sending through the resumable connector
+  to SGLang's language server (``python -m sglang.launch_server --disaggregation-mode encode`` and
+  ``... language --encoder-urls``);
+* ``tower``: the same with transformers' Qwen2.5-VL tower as the encoder (``--encoder qwen``);
+* ``upstream``: SGLang's ``--encoder-only`` server + ``--language-only --encoder-urls
   --encoder-transfer-backend zmq_to_scheduler`` (its ``mooncake`` backend allocates on ``cuda:``),
   started with this project's plugin turned off (``SGLANG_PLUGINS=none``).
 
-One stack at a time (this machine has 2 cores), each warmed up with three small requests. For
-each image size: the time to first token and the total of a streamed request (16 new tokens;
-448x448: the median over 5 distinct images, the others one image);
-then 8 concurrent 1920x1080 requests (distinct images: median and slowest TTFT, wall time);
-then a 3-turn chat on one 4K image sent as a ``data:`` URI each turn (TTFT per turn: a repeated
-image should be a cache hit); then 8 streams decoding, and the gaps between their tokens (ITL)
-while nothing else arrives and while a 4K request is encoded, transferred and prefilled (in
-SGLang's chunks: ``--language-args`` passes e.g. ``--chunked-prefill-size`` and
-``--enable-mixed-chunk`` to both language servers). A sampler reads the resident memory of each stack's encoder and
-language process trees every 0.2 s; a stack whose total passes ``--max-rss-gb`` is killed (that
-request fails) and started again for the next one. Prints a table per stack, then the ratios ours/upstream and which sizes each
-could serve; the last line is ``ours_vs_upstream_ttft_448=<x>``.
+Requests are **interleaved**: one request at a time, to each stack in turn (the first stack of a
+round rotates), so a machine that gets busier or quieter during the run weighs on every stack
+alike. Each stack is warmed up with three small requests. Per image size: the time to first
+token of a streamed request (16 new tokens) over ``--repeats`` distinct images, median with
+min..max, and our encoders' ``encode_ms`` (the encode worker's decode, preprocess and forward
+pass); then per stack 8 concurrent 1920x1080 requests (distinct images) against the same 8 one
+at a time: throughput both ways (what SGLang's encoder batching gives), median and slowest TTFT.
+A sampler reads the resident memory of each stack's encoder and language process trees every
+0.2 s; a stack whose total passes ``--max-rss-gb`` is killed (that request fails) and started
+again for the next one. Then, one stack at a time as before, unless ``--no-extras``: a 3-turn
+chat on one 4K image sent as a ``data:`` URI each turn, and the gaps between tokens (ITL) of 8
+decoding streams while nothing else arrives and while a 4K request is encoded, transferred and
+prefilled. Prints a table per stack and the ratios against upstream; the last line is
+``sglang_vs_upstream_ttft_448=<x>``.
 """
 
 from __future__ import annotations
@@ -46,7 +52,6 @@ SGLANG = (sys.executable, "-m", "sglang.launch_server")
 SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "2560x1440": (2560, 1440), "3840x2160": (3840, 2160)}
 NEW_TOKENS = 16
 WARMUPS = 3  # small requests before anything is measured
-REPEATS = {"448x448": 5}  # distinct images per size, the median reported (one for the sizes that take seconds)
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
@@ -100,7 +105,7 @@ class Memory:
 def stream(url: str, text: str, images: list[str], rid: str) -> dict:
     """One streamed ``/generate``: TTFT, total, ids (or the error)."""
     start = time.perf_counter()
-    first, ids = None, []
+    first, ids, meta = None, [], {}
     try:
         with requests.post(f"{url}/generate", stream=True, timeout=900, json={
                 "rid": rid, "text": text, "image_data": images, "stream": True,
@@ -115,12 +120,14 @@ def stream(url: str, text: str, images: list[str], rid: str) -> dict:
                     return {"error": str(event["error"])[:200]}
                 if first is None and event.get("output_ids"):
                     first = time.perf_counter()
+                meta = event.get("meta_info") or meta
                 ids = event["output_ids"] if len(event["output_ids"]) >= len(ids) else ids + event["output_ids"]
     except requests.RequestException as exc:
         return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     if first is None:
         return {"error": "no token"}
-    return {"ttft": first - start, "total": time.perf_counter() - start, "ids": ids}
+    return {"ttft": first - start, "total": time.perf_counter() - start, "ids": ids,
+            "encode_ms": meta.get("encode_ms")}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -178,13 +185,16 @@ def itl_under_prefill(url: str, kind: str, small_image: str, big_image: str, str
             "big": big.get("error") or f"TTFT {big['ttft']:.2f} s"}
 
 
+KINDS = ("sglang", "tower", "upstream")
+
+
 def start_stack(kind: str, folder: str, language_args: list[str], pin: bool) -> tuple[WorkerProcess, WorkerProcess]:
     """``pin``: the encoder's processes on CPU 1, the language server's on CPU 0 (as if on two
     machines, a core each)."""
     on_cpu = (lambda cpu, command: ("taskset", "-c", str(cpu), *command)) if pin else (lambda cpu, command: command)
-    if kind == "ours":
-        encode = WorkerProcess("encode", "--model-path", folder, timeout=300,
-                               command=on_cpu(1, (sys.executable, "-m", "sglang_ext.launch_server")))
+    if kind in ("sglang", "tower"):
+        encoder = ("--encoder", "sglang" if kind == "sglang" else "qwen")
+        encode = WorkerProcess("encode", "--model-path", folder, *encoder, timeout=300, command=on_cpu(1, SGLANG))
         language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url,
                                  "--max-total-tokens", "65536", "--skip-server-warmup", *language_args,
                                  command=on_cpu(0, SGLANG), ready=SGLANG_READY, timeout=300)
@@ -229,45 +239,85 @@ class Stack:
         self.encode.stop()
 
 
-def measure(kind: str, folder: str, images: dict[str, str], chat_image: str, sizes: list[str], concurrent: int,
-            limit: float, language_args: list[str], pin: bool, log) -> dict:
-    stack = Stack(kind, folder, limit, language_args, pin)
-    rows: dict = {"sizes": {}, "concurrent": None, "chat": [], "itl": None}
-    try:
-        for i in range(WARMUPS):
-            warm = stream(stack.up(), chat_text([], "Hi."), [images[f"warmup{i}"]], f"{kind}-warmup{i}")
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def interleaved(stacks: dict[str, Stack], images: dict[str, str], sizes: list[str], repeats: int, log) -> dict:
+    """Per size, ``repeats`` distinct images, each sent to every stack in turn (one request at a
+    time; round ``i`` starts with stack ``i mod n``): TTFT and encode_ms per stack, with min..max."""
+    kinds = list(stacks)
+    rows: dict = {kind: {} for kind in kinds}
+    for i in range(WARMUPS):
+        for kind in kinds:
+            warm = stream(stacks[kind].up(), chat_text([], "Hi."), [images[f"warmup{i}"]], f"{kind}-warmup{i}")
             log(f"[{kind}] warm-up {i}: " + (warm.get("error") or f"{warm['ttft']:.2f} s"))
-        for name in sizes:
-            runs = [stream(stack.up(), chat_text([], "Describe it."), [images[f"{name}.{i}" if i else name]],
-                           f"{kind}-{name}.{i}") for i in range(REPEATS.get(name, 1))]
-            row = rows["sizes"][name] = next((r for r in runs if "error" in r), None) or {
-                "ttft": statistics.median(r["ttft"] for r in runs), "total": statistics.median(r["total"] for r in runs),
-                "ids": runs[0]["ids"]}
-            log(f"[{kind}] {name}: " + (row.get("error") or f"TTFT {row['ttft']:.2f} s, total {row['total']:.2f} s"
-                                        + (f" (median of {len(runs)} images)" if len(runs) > 1 else "")))
-        url = stack.up()
-        start = time.perf_counter()
-        with ThreadPoolExecutor(concurrent) as pool:
-            results = list(pool.map(lambda i: stream(url, chat_text([], "Describe it."), [images[f"hd{i}"]],
-                                                     f"{kind}-hd{i}"), range(concurrent)))
-        served = [r for r in results if "error" not in r]
-        rows["concurrent"] = {"served": len(served), "wall": time.perf_counter() - start,
-                              "ttft_p50": statistics.median(r["ttft"] for r in served) if served else None,
-                              "ttft_max": max((r["ttft"] for r in served), default=None)}
-        log(f"[{kind}] {concurrent} x 1920x1080: {rows['concurrent']}")
-        turns: list[tuple[str, str]] = []
-        for turn, question in enumerate(("Describe it.", "And the colours?", "Anything else?"), 1):
-            row = stream(stack.up(), chat_text(turns, question), [chat_image], f"{kind}-chat{turn}")
-            rows["chat"].append(row)
-            log(f"[{kind}] chat turn {turn}: " + (row.get("error") or f"TTFT {row['ttft']:.2f} s"))
-            if "error" in row:
-                break
-            turns.append((question, "ok"))
-        rows["itl"] = itl_under_prefill(stack.up(), kind, images["448x448"], images["itl4k"], concurrent)
-        log(f"[{kind}] ITL of {concurrent} streams, quiet then while a 3840x2160 request arrives: {rows['itl']}")
-    finally:
-        stack.stop()
-    rows["peak_rss"], rows["killed_at"] = stack.peak, stack.killed_at
+    for name in sizes:
+        runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
+        for repeat in range(repeats):
+            for kind in kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]:
+                runs[kind].append(stream(stacks[kind].up(), chat_text([], "Describe it."), [images[f"{name}.{repeat}"]],
+                                         f"{kind}-{name}.{repeat}"))
+        for kind in kinds:
+            served = [r for r in runs[kind] if "error" not in r]
+            failed = [r["error"] for r in runs[kind] if "error" in r]
+            row = rows[kind][name] = {"served": len(served), "of": repeats, "error": failed[0] if failed else None,
+                                      "ids": [r["ids"] for r in runs[kind]] if not failed else None}
+            if served:
+                row["ttft"] = spread([r["ttft"] for r in served])
+                encode = [r["encode_ms"] for r in served if r.get("encode_ms") is not None]
+                row["encode_ms"] = spread(encode) if encode else None
+            log(f"[{kind}] {name}: {describe(row)}")
+    return rows
+
+
+def describe(row: dict) -> str:
+    if "ttft" not in row:
+        return f"failed: {row['error']}"
+    t = row["ttft"]
+    text = f"TTFT {t['median']:.2f} s ({t['min']:.2f}..{t['max']:.2f}, {row['served']}/{row['of']} served)"
+    if row.get("encode_ms"):
+        e = row["encode_ms"]
+        text += f", encode {e['median']:.0f} ms ({e['min']:.0f}..{e['max']:.0f})"
+    return text
+
+
+def concurrency(stack: Stack, images: dict[str, str], concurrent: int, log) -> dict:
+    """``concurrent`` distinct 1920x1080 requests at once, then the same one at a time: wall time,
+    throughput both ways, median and slowest TTFT at once."""
+    def one(i: int, label: str) -> dict:
+        return stream(stack.up(), chat_text([], "Describe it."), [images[f"hd{i}"]], f"{stack.kind}-{label}{i}")
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrent) as pool:
+        together = list(pool.map(lambda i: one(i, "hd"), range(concurrent)))
+    wall_together = time.perf_counter() - start
+    start = time.perf_counter()
+    alone = [one(i, "hd-serial") for i in range(concurrent)]
+    wall_alone = time.perf_counter() - start
+    served = [r for r in together if "error" not in r]
+    row = {"served": len(served), "wall": wall_together, "wall_serial": wall_alone,
+           "served_serial": sum("error" not in r for r in alone),
+           "ttft_p50": statistics.median(r["ttft"] for r in served) if served else None,
+           "ttft_max": max((r["ttft"] for r in served), default=None)}
+    log(f"[{stack.kind}] {concurrent} x 1920x1080 at once: {row['served']} served in {wall_together:.2f} s; one at a "
+        f"time: {row['served_serial']} in {wall_alone:.2f} s")
+    return row
+
+
+def extras(stack: Stack, images: dict[str, str], chat_image: str, concurrent: int, log) -> dict:
+    """The chat turns and the ITL windows (module docstring), on one stack."""
+    kind, rows = stack.kind, {"chat": [], "itl": None}
+    turns: list[tuple[str, str]] = []
+    for turn, question in enumerate(("Describe it.", "And the colours?", "Anything else?"), 1):
+        row = stream(stack.up(), chat_text(turns, question), [chat_image], f"{kind}-chat{turn}")
+        rows["chat"].append(row)
+        log(f"[{kind}] chat turn {turn}: " + (row.get("error") or f"TTFT {row['ttft']:.2f} s"))
+        if "error" in row:
+            break
+        turns.append((question, "ok"))
+    rows["itl"] = itl_under_prefill(stack.up(), kind, images["448x448.0"], images["itl4k"], concurrent)
+    log(f"[{kind}] ITL of {concurrent} streams, quiet then while a 3840x2160 request arrives: {rows['itl']}")
     return rows
 
 
@@ -275,11 +325,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", help="a Qwen2.5-VL folder (default: the seeded one, hidden 3584, 1 layer)")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--repeats", type=int, default=3, help="distinct images per size (default %(default)s)")
     parser.add_argument("--concurrent", type=int, default=8)
-    parser.add_argument("--max-rss-gb", type=float, default=16.0,
-                        help="a stack whose encoder + language memory passes this is killed (default %(default)s)")
-    parser.add_argument("--only", choices=["ours", "upstream"], help="measure one stack")
-    parser.add_argument("--language-args", default="", help="more flags for both language servers, e.g. "
+    parser.add_argument("--max-rss-gb", type=float, default=12.0,
+                        help="a stack whose encoder + language memory passes this is killed (default %(default)s; "
+                             "the three stacks share the machine)")
+    parser.add_argument("--stacks", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--no-extras", action="store_true", help="skip the chat turns and the ITL windows")
+    parser.add_argument("--language-args", default="", help="more flags for every language server, e.g. "
                         "'--chunked-prefill-size 512 --enable-mixed-chunk'")
     parser.add_argument("--pin-cores", action="store_true", help="each stack's encoder on CPU 1 and its language "
                         "server on CPU 0 (taskset), as two machines would keep them apart")
@@ -292,9 +345,7 @@ def main() -> None:
             images[f"warmup{i}"] = f"{tmp}/warmup{i}.png"
             make_image(224, 224, seed=7 + i).save(images[f"warmup{i}"])
         for i, (name, (w, h)) in enumerate(SIZES.items()):
-            images[name] = f"{tmp}/{name}.png"
-            make_image(w, h, seed=10 + i).save(images[name])
-            for repeat in range(1, REPEATS.get(name, 1)):
+            for repeat in range(args.repeats):
                 images[f"{name}.{repeat}"] = f"{tmp}/{name}.{repeat}.png"
                 make_image(w, h, seed=300 + 10 * i + repeat).save(images[f"{name}.{repeat}"])
         for i in range(args.concurrent):
@@ -304,48 +355,60 @@ def main() -> None:
         images["itl4k"] = f"{tmp}/itl4k.png"  # not seen before: encoded, transferred and prefilled in full
         make_image(3840, 2160, seed=98).save(images["itl4k"])
         chat_image = "data:image/png;base64," + base64.b64encode(Path(f"{tmp}/chat.png").read_bytes()).decode()
-        results = {kind: measure(kind, folder, images, chat_image, args.sizes, args.concurrent, args.max_rss_gb * 2**30,
-                                 args.language_args.split(), args.pin_cores, log) for kind in ("ours", "upstream") if args.only in (None, kind)}
+        log(f"starting {', '.join(args.stacks)} on {folder}")
+        with ThreadPoolExecutor(len(args.stacks)) as pool:
+            started = {kind: pool.submit(Stack, kind, folder, args.max_rss_gb * 2**30, args.language_args.split(),
+                                         args.pin_cores) for kind in args.stacks}
+        stacks = {kind: future.result() for kind, future in started.items()}
+        results: dict = {kind: {} for kind in stacks}
+        try:
+            sizes = interleaved(stacks, images, args.sizes, args.repeats, log)
+            for kind, stack in stacks.items():
+                results[kind] = {"sizes": sizes[kind], "concurrent": concurrency(stack, images, args.concurrent, log)}
+            if not args.no_extras:
+                for kind, stack in stacks.items():
+                    results[kind] |= extras(stack, images, chat_image, args.concurrent, log)
+        finally:
+            for kind, stack in stacks.items():
+                stack.stop()
+                results[kind]["peak_rss"], results[kind]["killed_at"] = stack.peak, stack.killed_at
     report(results, args.sizes)
 
 
 def report(results: dict, sizes: list[str]) -> None:
-    def cell(row: dict | None, key: str) -> str:
-        if not row:
-            return "-"
-        return "failed" if "error" in row else f"{row[key]:.2f}"
-
-    print(f"\n{'':22}" + "".join(f"{k + ' TTFT s':>16}{k + ' total s':>17}" for k in results))
-    for name in sizes:
-        print(f"{name:22}" + "".join(f"{cell(r['sizes'].get(name), 'ttft'):>16}{cell(r['sizes'].get(name), 'total'):>17}"
-                                      for r in results.values()))
+    print()
     for kind, r in results.items():
-        c = r["concurrent"] or {}
-        print(f"{kind}: concurrent 1920x1080 served {c.get('served')} in {c.get('wall', 0):.2f} s, TTFT p50 "
-              f"{c.get('ttft_p50')} max {c.get('ttft_max')}; chat TTFT per turn "
-              f"{[round(t['ttft'], 2) if 'ttft' in t else 'failed' for t in r['chat']]}; peak RSS GiB "
-              f"{ {k: round(v / 2**30, 2) for k, v in r['peak_rss'].items()} }"
-              + (f"; killed at {r['killed_at'] / 2**30:.1f} GiB" if r["killed_at"] else ""))
-        print(f"{kind}: served sizes {[n for n in sizes if 'ttft' in (r['sizes'].get(n) or {})]}")
-        itl = r["itl"] or {}
-        if itl.get("quiet", {}).get("p99") and itl.get("prefill", {}).get("p99"):
-            print(f"{kind}: ITL p99 {itl['quiet']['p99'] * 1e3:.0f} ms quiet, {itl['prefill']['p99'] * 1e3:.0f} ms while "
-                  f"a 3840x2160 request arrives ({itl['big']}): {kind}_itl_p99_ratio="
-                  f"{itl['prefill']['p99'] / itl['quiet']['p99']:.2f}")
-    if set(results) == {"ours", "upstream"}:
-        ours, up = results["ours"], results["upstream"]
+        print(f"== {kind}")
         for name in sizes:
-            a, b = ours["sizes"].get(name) or {}, up["sizes"].get(name) or {}
+            print(f"  {name:10} {describe(r['sizes'][name])}")
+        c = r["concurrent"]
+        print(f"  {c['served']} x 1920x1080 at once in {c['wall']:.2f} s, one at a time in "
+              f"{c['wall_serial']:.2f} s: {c['wall_serial'] / c['wall']:.2f}x the throughput at once; TTFT p50 "
+              f"{c['ttft_p50']} max {c['ttft_max']}")
+        print(f"  peak RSS GiB {({k: round(v / 2**30, 2) for k, v in r['peak_rss'].items()})}"
+              + (f"; killed at {r['killed_at'] / 2**30:.1f} GiB" if r["killed_at"] else ""))
+        if r.get("chat"):
+            print(f"  chat TTFT per turn {[round(t['ttft'], 2) if 'ttft' in t else 'failed' for t in r['chat']]}")
+        itl = r.get("itl") or {}
+        if itl.get("quiet", {}).get("p99") and itl.get("prefill", {}).get("p99"):
+            print(f"  ITL p99 {itl['quiet']['p99'] * 1e3:.0f} ms quiet, {itl['prefill']['p99'] * 1e3:.0f} ms while a "
+                  f"3840x2160 request arrives ({itl['big']}): {kind}_itl_p99_ratio="
+                  f"{itl['prefill']['p99'] / itl['quiet']['p99']:.2f}")
+    if "upstream" not in results:
+        return
+    up = results["upstream"]["sizes"]
+    for kind in [k for k in results if k != "upstream"]:
+        for name in sizes:
+            a, b = results[kind]["sizes"][name], up[name]
             if "ttft" in a and "ttft" in b:
                 same = "same ids" if a["ids"] == b["ids"] else "ids differ"
-                print(f"ours_vs_upstream_ttft_{name}={a['ttft'] / b['ttft']:.2f} ({same})")
-        chat = [t.get("ttft") for t in ours["chat"]]
-        if len(chat) >= 2 and all(chat[:2]):
-            print(f"ours_turn1_vs_turn2_ttft={chat[0] / chat[1]:.1f}")
-        first = sizes[0]
-        a, b = ours["sizes"].get(first) or {}, up["sizes"].get(first) or {}
-        if "ttft" in a and "ttft" in b:
-            print(f"ours_vs_upstream_ttft_{first.split('x')[0]}={a['ttft'] / b['ttft']:.2f}")
+                print(f"{kind}_vs_upstream_ttft_{name}={a['ttft']['median'] / b['ttft']['median']:.2f} ({same})")
+            elif "ttft" in a:
+                print(f"{kind}_vs_upstream_ttft_{name}=served only by {kind} (upstream: {b['error']})")
+    first = sizes[0]
+    a, b = results.get("sglang", {}).get("sizes", {}).get(first, {}), up[first]
+    if "ttft" in a and "ttft" in b:
+        print(f"sglang_vs_upstream_ttft_{first.split('x')[0]}={a['ttft']['median'] / b['ttft']['median']:.2f}")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def greedy_mismatch(got: list[int], reference: Greedy, tolerance: float = NEAR_T
     what differs."""
     if len(got) != len(reference.ids):
         return f"{len(got)} ids, the reference has {len(reference.ids)}: {got} vs {reference.ids}"
-    for step, (ours, theirs) in enumerate(zip(got, reference.ids)):
+    for step, (ours, theirs) in enumerate(zip(got, reference.ids, strict=True)):
         if ours != theirs:
             gap = float(reference.logprobs[step, theirs] - reference.logprobs[step, ours])
             if gap > tolerance:

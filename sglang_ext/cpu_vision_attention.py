@@ -35,7 +35,7 @@ def segmented_attention(original, module, q: torch.Tensor, k: torch.Tensor, v: t
     q, k, v = (t.reshape(-1, heads, dim) for t in (q, k, v))
     out = q.new_empty(q.shape)
     starts_by_length: dict[int, list[int]] = defaultdict(list)
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in zip(bounds, bounds[1:], strict=False):
         if end > start:
             starts_by_length[end - start].append(start)
     for length, starts in starts_by_length.items():
@@ -55,6 +55,6 @@ def _segment_bounds(module, q: torch.Tensor, bsz: int, cu_seqlens: torch.Tensor 
             or module.num_kv_heads != module.num_heads or q.dim() != 3):
         return None
     bounds = [int(b) for b in cu_seqlens.tolist()]
-    if not bounds or bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b > a for a, b in zip(bounds[1:], bounds)):
+    if not bounds or bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b > a for a, b in zip(bounds[1:], bounds, strict=False)):
         return None  # a patch outside every segment, or segments out of order: upstream's mask decides
     return bounds

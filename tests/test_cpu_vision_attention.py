@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 # imported at collection: importing it runs ldconfig once (a process, which the fast tier refuses)
 from sglang.srt.layers.attention.vision import VisionSdpaAttention
 

@@ -12,7 +12,6 @@ equal up to a near tie of the reference's (``monolithic.greedy_mismatch``).
 
 from __future__ import annotations
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,18 +19,13 @@ import psutil
 import pytest
 import requests
 from make_checkpoint import write_qwen3_vl_checkpoint
-from monolithic import Greedy, greedy_generate, greedy_mismatch
+from monolithic import Greedy, greedy_generate
 from PIL import Image
-from transfer_large_image import make_image
+from sglang_stack import NEW_TOKENS, SGLANG_LAUNCH, SIZES, generate, generate_as_reference, prompt, write_images
 from workers import SGLANG_READY, WorkerProcess
 
 pytestmark = pytest.mark.sglang
 
-SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
-NEW_TOKENS = 12
-PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "3840x2160": (3840, 2160)}
 FIRST_ALLOCATION = 2048  # tokens the language side allocates before it knows an image's size
 ENCODER_PEAK_BYTES = 3 << 30  # the encode worker's resident peak with the 4K image (the issue's bound)
 
@@ -43,14 +37,7 @@ def folder(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("qwen3-images")
-    paths = {}
-    for i, (name, (w, h)) in enumerate(SIZES.items()):
-        paths[name] = str(root / f"{name}.png")
-        make_image(w, h, seed=40 + i).save(paths[name])
-    paths["other"] = str(root / "other.png")
-    make_image(640, 336, seed=60).save(paths["other"])
-    return paths
+    return write_images(tmp_path_factory.mktemp("qwen3-images"))
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +74,6 @@ def reference(folder):
     return greedy
 
 
-def prompt(n_images: int) -> str:
-    return PROMPT.format(images=IMAGE * n_images)
-
-
-def generate(language: WorkerProcess, paths: list[str], rid: str, new_tokens: int = NEW_TOKENS) -> requests.Response:
-    body = {"rid": rid, "text": prompt(len(paths)), "image_data": paths,
-            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
-    return requests.post(f"{language.url}/generate", json=body, timeout=300)
-
-
 def test_the_encode_worker_runs_sglangs_encoder_for_the_checkpoint(workers) -> None:
     encode, _ = workers
     assert "encoder=sglang:qwen3_vl" in encode.ready_line, encode.ready_line
@@ -109,11 +86,7 @@ def test_greedy_ids_equal_monolithic(workers, images, reference, size) -> None:
     """The 4K image's 8,160 rows (768 wide: the tower's output and its two deepstack layers) come
     in resume rounds after the first 2,048-token allocation; the encoder stays under 3 GB."""
     encode, language = workers
-    answer = generate(language, [images[size]], f"qwen3-{size}")
-    assert answer.status_code == 200, answer.text
-    body = answer.json()
-    assert greedy_mismatch(body["output_ids"], reference([images[size]])) is None
-    meta = body["meta_info"]
+    meta = generate_as_reference(language, [images[size]], f"qwen3-{size}", reference)["meta_info"]
     assert meta["encode_ms"] > 0, meta
     if size == "448x448":
         assert meta["resume_rounds"] == 0, meta
@@ -125,10 +98,7 @@ def test_greedy_ids_equal_monolithic(workers, images, reference, size) -> None:
 
 def test_two_images_in_one_prompt_equal_monolithic(workers, images, reference) -> None:
     _, language = workers
-    paths = [images["448x448"], images["other"]]
-    answer = generate(language, paths, "qwen3-two")
-    assert answer.status_code == 200, answer.text
-    assert greedy_mismatch(answer.json()["output_ids"], reference(paths)) is None
+    generate_as_reference(language, [images["448x448"], images["other"]], "qwen3-two", reference)
 
 
 def test_the_reference_depends_on_the_picture(reference, images) -> None:

@@ -28,7 +28,7 @@ import psutil
 import pytest
 import requests
 from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs
-from transfer_large_image import make_image
+from sglang_stack import NEW_TOKENS, SGLANG_LAUNCH, SIZES, generate, generate_as_reference, prompt, write_images
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 from workers import SGLANG_READY, WorkerProcess, free_port
 
@@ -37,11 +37,6 @@ from sglang_ext.language_flags import cpu_kv_tokens
 
 pytestmark = pytest.mark.sglang
 
-SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
-NEW_TOKENS = 12
-PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "3840x2160": (3840, 2160)}
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +46,7 @@ def folder(seeded_checkpoint) -> str:
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("sglang-images")
-    paths = {}
-    for i, (name, (w, h)) in enumerate(SIZES.items()):
-        paths[name] = str(root / f"{name}.png")
-        make_image(w, h, seed=40 + i).save(paths[name])
-    paths["other"] = str(root / "other.png")
-    make_image(640, 336, seed=60).save(paths["other"])
-    return paths
+    return write_images(tmp_path_factory.mktemp("sglang-images"))
 
 
 @pytest.fixture(scope="module")
@@ -114,27 +102,13 @@ def reference(folder):
     return greedy
 
 
-def prompt(n_images: int) -> str:
-    return PROMPT.format(images=IMAGE * n_images)
-
-
-def generate(language: WorkerProcess, paths: list[str], rid: str, **extra) -> requests.Response:
-    body = {"rid": rid, "text": prompt(len(paths)), "image_data": paths,
-            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}} | extra
-    return requests.post(f"{language.url}/generate", json=body, timeout=240)
-
-
 @pytest.mark.parametrize("size", list(SIZES))
 def test_greedy_ids_equal_monolithic(workers, images, reference, size) -> None:
     """448x448 fits the default allocation; 3840x2160 (10,560 image tokens) needs a resume round,
     and its prompt is prefilled in SGLang's chunks (4096 tokens by default; the chunks after the
     first attend to a cached prefix). ``meta_info`` carries the transfer beside SGLang's own."""
     _, language = workers
-    answer = generate(language, [images[size]], f"mono-{size}")
-    assert answer.status_code == 200, answer.text
-    body = answer.json()
-    assert greedy_mismatch(body["output_ids"], reference([images[size]])) is None
-    meta = body["meta_info"]
+    meta = generate_as_reference(language, [images[size]], f"mono-{size}", reference)["meta_info"]
     assert meta["completion_tokens"] == NEW_TOKENS
     assert meta["resume_rounds"] == (1 if size == "3840x2160" else 0)
     assert meta["transfer_ms"] > 0 and meta["encode_ms"] > 0 and meta["cached_images"] == 0, meta
@@ -142,10 +116,7 @@ def test_greedy_ids_equal_monolithic(workers, images, reference, size) -> None:
 
 def test_two_images_in_one_prompt_equal_monolithic(workers, images, reference) -> None:
     _, language = workers
-    paths = [images["other"], images["448x448"]]
-    answer = generate(language, paths, "two-images")
-    assert answer.status_code == 200, answer.text
-    assert greedy_mismatch(answer.json()["output_ids"], reference(paths)) is None
+    generate_as_reference(language, [images["other"], images["448x448"]], "two-images", reference)
 
 
 def test_a_repeated_image_is_served_from_the_radix_cache(workers, images, reference) -> None:

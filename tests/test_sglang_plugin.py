@@ -35,7 +35,7 @@ import contextlib, io, json, sys
 from sglang.srt.plugins import load_plugins
 load_plugins()
 import sglang_ext.launch_server as launcher
-launcher.run = lambda args: print("WORKER " + json.dumps(vars(args), sort_keys=True))
+launcher.run = lambda args: print("WORKER " + json.dumps(vars(args), sort_keys=True, default=repr))
 from sglang.srt.server_args import prepare_server_args
 for case, argv in json.loads(sys.argv[1]).items():
     out, err, code = io.StringIO(), io.StringIO(), 0

@@ -131,7 +131,8 @@ def test_kept_kv_is_reported_in_bytes(workers) -> None:
         done = running.result().json()
     # 2 KiB per token for the seeded 1-layer model (4 KV heads x 128 x 2 bytes, keys and values)
     assert asleep["kept_generations"] == 1 and asleep["kv_bytes"] % 2048 == 0 and asleep["kv_bytes"] >= 3 * 2048
-    assert done["meta_info"]["completion_tokens"] == 400
+    # it ran on over the sleep to its end: its length, or the end of its text
+    assert done["meta_info"]["completion_tokens"] == 400 or done["meta_info"]["finish_reason"]["type"] == "stop", done
 
 
 def test_a_stream_pauses_over_the_sleep_and_loses_or_repeats_nothing(workers) -> None:
