@@ -15,8 +15,8 @@ round rotates), so a machine that gets busier or quieter during the run weighs o
 alike. Each stack is warmed up with three small requests. Per image size: the time to first
 token of a streamed request (16 new tokens) over ``--repeats`` distinct images, median with
 min..max, and our encoders' ``encode_ms`` (the encode worker's decode, preprocess and forward
-pass); then per stack 8 concurrent 1920x1080 requests (distinct images) against the same 8 one
-at a time: throughput both ways (what SGLang's encoder batching gives), median and slowest TTFT.
+pass); then per stack 8 concurrent 1920x1080 requests (distinct images) against 8 others one at a
+time: throughput both ways (what SGLang's encoder batching gives), median and slowest TTFT.
 A sampler reads the resident memory of each stack's encoder and language process trees every
 0.2 s; a stack whose total passes ``--max-rss-gb`` is killed (that request fails) and started
 again for the next one. Then, one stack at a time as before, unless ``--no-extras``: a 3-turn
@@ -102,8 +102,10 @@ class Memory:
         self._thread.join()
 
 
-def stream(url: str, text: str, images: list[str], rid: str) -> dict:
-    """One streamed ``/generate``: TTFT, total, ids (or the error)."""
+def stream(url: str | None, text: str, images: list[str], rid: str) -> dict:
+    """One streamed ``/generate``: TTFT, total, ids (or the error; ``url`` None: the stack is down)."""
+    if url is None:
+        return {"error": "the stack is down"}
     start = time.perf_counter()
     first, ids, meta = None, [], {}
     try:
@@ -217,17 +219,25 @@ class Stack:
         self.kind, self.folder, self.limit, self.language_args, self.pin = kind, folder, limit, language_args, pin
         self.peak: dict[str, int] = {"encoder": 0, "language": 0}
         self.killed_at = 0.0
+        self.down = ""
         self._start()
 
     def _start(self) -> None:
         self.encode, self.language = start_stack(self.kind, self.folder, self.language_args, self.pin)
         self.memory = Memory({"encoder": self.encode.proc.pid, "language": self.language.proc.pid}, self.limit)
 
-    def up(self) -> str:
-        """The language server's URL, the stack started again if a kill or a crash ended it."""
+    def up(self) -> str | None:
+        """The language server's URL, the stack started again if a kill or a crash ended it; None
+        once it could not be started again (``down`` says why)."""
+        if self.down:
+            return None
         if self.memory.killed_at or self.encode.proc.poll() is not None or self.language.proc.poll() is not None:
             self.stop()
-            self._start()
+            try:
+                self._start()
+            except RuntimeError as exc:
+                self.down = f"could not be started again: {str(exc).splitlines()[0]}"
+                return None
         return self.language.url
 
     def stop(self) -> None:
@@ -283,7 +293,7 @@ def describe(row: dict) -> str:
 
 
 def concurrency(stack: Stack, images: dict[str, str], concurrent: int, log) -> dict:
-    """``concurrent`` distinct 1920x1080 requests at once, then the same one at a time: wall time,
+    """``concurrent`` distinct 1920x1080 requests at once, then as many others one at a time: wall time,
     throughput both ways, median and slowest TTFT at once."""
     def one(i: int, label: str) -> dict:
         return stream(stack.up(), chat_text([], "Describe it."), [images[f"hd{i}"]], f"{stack.kind}-{label}{i}")
@@ -293,7 +303,7 @@ def concurrency(stack: Stack, images: dict[str, str], concurrent: int, log) -> d
         together = list(pool.map(lambda i: one(i, "hd"), range(concurrent)))
     wall_together = time.perf_counter() - start
     start = time.perf_counter()
-    alone = [one(i, "hd-serial") for i in range(concurrent)]
+    alone = [one(concurrent + i, "hd") for i in range(concurrent)]  # other images: no cache hit
     wall_alone = time.perf_counter() - start
     served = [r for r in together if "error" not in r]
     row = {"served": len(served), "wall": wall_together, "wall_serial": wall_alone,
@@ -316,7 +326,10 @@ def extras(stack: Stack, images: dict[str, str], chat_image: str, concurrent: in
         if "error" in row:
             break
         turns.append((question, "ok"))
-    rows["itl"] = itl_under_prefill(stack.up(), kind, images["448x448.0"], images["itl4k"], concurrent)
+    url = stack.up()
+    if url is None:
+        return rows
+    rows["itl"] = itl_under_prefill(url, kind, images["448x448.0"], images["itl4k"], concurrent)
     log(f"[{kind}] ITL of {concurrent} streams, quiet then while a 3840x2160 request arrives: {rows['itl']}")
     return rows
 
@@ -348,7 +361,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 images[f"{name}.{repeat}"] = f"{tmp}/{name}.{repeat}.png"
                 make_image(w, h, seed=300 + 10 * i + repeat).save(images[f"{name}.{repeat}"])
-        for i in range(args.concurrent):
+        for i in range(2 * args.concurrent):  # distinct images at once, then others one at a time
             images[f"hd{i}"] = f"{tmp}/hd{i}.jpg"
             make_image(1920, 1080, seed=100 + i).save(images[f"hd{i}"], quality=90)
         make_image(3840, 2160, seed=99).save(f"{tmp}/chat.png")
@@ -372,6 +385,7 @@ def main() -> None:
             for kind, stack in stacks.items():
                 stack.stop()
                 results[kind]["peak_rss"], results[kind]["killed_at"] = stack.peak, stack.killed_at
+                results[kind]["down"] = stack.down
     report(results, args.sizes)
 
 
@@ -386,7 +400,8 @@ def report(results: dict, sizes: list[str]) -> None:
               f"{c['wall_serial']:.2f} s: {c['wall_serial'] / c['wall']:.2f}x the throughput at once; TTFT p50 "
               f"{c['ttft_p50']} max {c['ttft_max']}")
         print(f"  peak RSS GiB {({k: round(v / 2**30, 2) for k, v in r['peak_rss'].items()})}"
-              + (f"; killed at {r['killed_at'] / 2**30:.1f} GiB" if r["killed_at"] else ""))
+              + (f"; killed at {r['killed_at'] / 2**30:.1f} GiB" if r["killed_at"] else "")
+              + (f"; {r['down']}" if r["down"] else ""))
         if r.get("chat"):
             print(f"  chat TTFT per turn {[round(t['ttft'], 2) if 'ttft' in t else 'failed' for t in r['chat']]}")
         itl = r.get("itl") or {}

@@ -4,6 +4,7 @@ serve one in this process (the fast test tier)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 from aiohttp.test_utils import TestServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,6 +97,9 @@ class WorkerProcess:
         raise RuntimeError(f"{self.mode} worker did not start:\n" + "".join(self.log[-30:]))
 
     def stop(self, timeout: float = 20.0) -> int:
+        """SIGINT, then SIGKILL after ``timeout``; the processes it started that outlive it (SGLang's
+        scheduler of a server killed while it started) are killed last, or they would spin a core."""
+        descendants = _descendants(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(2)  # SIGINT: clean shutdown
             try:
@@ -102,8 +107,18 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        for process in descendants:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
         LIVE.discard(self)
         return self.proc.returncode
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def dump_live_workers(lines: int = 60, settle_s: float = 0.5) -> str:
