@@ -27,7 +27,6 @@ import threading
 import uuid
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 from connector.failures import FailureKind, TransferFailure
@@ -47,15 +46,14 @@ class SGLangEncoder:
         from sglang.srt.plugins import load_plugins
 
         load_plugins()  # our hooks (the CPU vision attention); a no-op under SGLang's launcher
-        self.server_args = server_args
+        from sglang.srt.managers.schedule_batch import Modality
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        self._smart_resize = smart_resize
         self.model_path = server_args.model_path
         self.encoder, self.scheduler = _build_runtime(server_args)
         config = self.encoder.model_config.hf_config
-        self.model_type = self.encoder.model_type
-        self.name = f"sglang:{self.model_type}"
-        from sglang.srt.managers.schedule_batch import Modality
-
-        self._image = Modality.IMAGE
+        self.name = f"sglang:{self.encoder.model_type}"
         self.hidden_size = int(self.encoder._embedding_dims[Modality.IMAGE])
         self.dtype = self.encoder._embedding_dtype
         processor = self.encoder.preprocessor.image_processor
@@ -83,10 +81,8 @@ class SGLangEncoder:
         return self._fingerprint
 
     def resize(self, height: int, width: int) -> tuple[int, int]:
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
         check_shape(height, width)
-        return smart_resize(height, width, factor=self.patch_size * self.merge_size, min_pixels=self._min_pixels,
+        return self._smart_resize(height, width, factor=self.patch_size * self.merge_size, min_pixels=self._min_pixels,
                             max_pixels=self._max_pixels)
 
     def offload(self, level: int) -> None:
@@ -118,8 +114,10 @@ class SGLangEncoder:
             raise
         import torch
 
-        rows = embedding.to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy()
-        return EncodedImages(np.ascontiguousarray(rows), grids, self.hidden_size)
+        rows = embedding.to("cpu", torch.bfloat16).contiguous()
+        if rows.untyped_storage().nbytes() > rows.nbytes:  # a slice of a fused batch: not the whole batch kept
+            rows = rows.clone()
+        return EncodedImages(rows.view(torch.uint8).numpy(), grids, self.hidden_size)
 
     async def _encode(self, rid: str, images: list[Image.Image]):
         request = {"req_id": rid, "modality": "IMAGE", "mm_items": list(images), "num_parts": 1, "part_idx": 0}

@@ -39,6 +39,13 @@ def segmented_attention(original, module, q: torch.Tensor, k: torch.Tensor, v: t
         if end > start:
             starts_by_length[end - start].append(start)
     for length, starts in starts_by_length.items():
+        if len(starts) == 1:  # a whole image (a full-attention layer): a slice, no gather
+            window = slice(starts[0], starts[0] + length)
+            # [1, heads, length, dim]: four dimensions, or a CPU takes SDPA's math kernel (S x S memory)
+            qs, ks, vs = (t[window].transpose(0, 1)[None] for t in (q, k, v))
+            attended = scaled_dot_product_attention(qs, ks, vs, dropout_p=module.dropout, scale=module.scale)
+            out[window] = attended[0].transpose(0, 1)
+            continue
         index = (torch.tensor(starts)[:, None] + torch.arange(length)).reshape(-1)
         # [segments, heads, length, dim]
         qs, ks, vs = (t[index].view(len(starts), length, heads, dim).transpose(1, 2) for t in (q, k, v))

@@ -101,12 +101,11 @@ def build(args: argparse.Namespace) -> Built:
 
 
 def _encoder(args: argparse.Namespace, config: ConnectorConfig):
-    """The encode worker's encoder: ``--encoder``, else SGLang's own where SGLang's launcher
-    started us with a checkpoint, else transformers' Qwen2.5-VL tower."""
+    """The encode worker's encoder: ``--encoder`` (the plugin picks SGLang's own when SGLang's
+    launcher started us with a checkpoint), else transformers' Qwen2.5-VL tower."""
     from embedding_side.encoders import FakeEncoder, QwenVisionEncoder
 
-    server_args = getattr(args, "sglang_server_args", None)  # the plugin's, parsed by SGLang
-    kind = args.encoder or ("sglang" if server_args is not None else "qwen")
+    kind = args.encoder or "qwen"
     if kind == "fake":
         return FakeEncoder(config.hidden_size)
     if kind == "qwen":
@@ -116,6 +115,7 @@ def _encoder(args: argparse.Namespace, config: ConnectorConfig):
     from embedding_side.sglang_encoder import SGLangEncoder
     from sglang_ext.encoder_flags import standalone_server_args
 
+    server_args = getattr(args, "sglang_server_args", None)  # the plugin's, parsed by SGLang
     try:
         return SGLangEncoder(server_args if server_args is not None else standalone_server_args(args))
     except ValueError as exc:

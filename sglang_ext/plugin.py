@@ -118,6 +118,7 @@ def _around_prepare_server_args(original, argv, *args, **kwargs):
     if ours.disaggregation_mode == "encode" and ours.model_path and ours.encoder in (None, "sglang"):
         from sglang_ext.encoder_flags import encoder_argv
 
+        ours.encoder = "sglang"
         ours.sglang_server_args = original(encoder_argv(argv), *args, **kwargs)  # SGLang's own encoder's
     from sglang_ext.launch_server import run
 
