@@ -11,7 +11,7 @@ import json
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -30,9 +30,14 @@ MIN_PIXELS, MAX_PIXELS = 56 * 56, 16384 * FACTOR * FACTOR
 
 @dataclass
 class EncodedImages:
+    """One request's images (or videos) encoded: its rows in order and each item's grid."""
+
     embeddings: np.ndarray  # uint8 [tokens, hidden * 2]: bf16 bytes, row-major
-    grid_thw: list[tuple[int, int, int]]  # patch grid per image, before the 2x2 merge
+    grid_thw: list[tuple[int, int, int]]  # patch grid per image (or video), before the 2x2 merge
     hidden_size: int
+    # per video, what the language side's positions need besides the grid (Qwen3-VL's
+    # "video_timestamps", Qwen2.5-VL's "second_per_grid_ts"), as JSON lists
+    extras: dict = field(default_factory=dict)
 
 
 class VisionEncoder(Protocol):
@@ -42,6 +47,9 @@ class VisionEncoder(Protocol):
     merge_size: int  # patches per embedding token side
     image_token_id: int  # the prompt's placeholder id each embedding row fills
     max_batch: int  # requests it encodes at once (SGLang's encoder fuses them into one forward pass)
+    # "image", and "video" for an encoder that also has video_token_id, video_sampling(clip) and
+    # encode_videos(clips) (SGLangEncoder)
+    modalities: tuple[str, ...]
 
     def encode(self, images: list[Image.Image]) -> EncodedImages: ...
 
@@ -131,6 +139,7 @@ class FakeEncoder:
 
     name = "fake"
     patch_size, merge_size, image_token_id, max_batch = PATCH, MERGE, IMAGE_PAD_ID, 1
+    modalities = ("image",)
 
     def __init__(self, hidden_size: int = 3584, seed: int = 0) -> None:
         self.hidden_size, self.seed = hidden_size, seed
@@ -179,6 +188,7 @@ class QwenVisionEncoder:
 
     name = "qwen2_5_vl"
     patch_size, merge_size, image_token_id, max_batch = PATCH, MERGE, IMAGE_PAD_ID, 1
+    modalities = ("image",)
 
     def __init__(self, model_path: str | None = None, seed: int = 0, device: str = "cpu") -> None:
         import torch

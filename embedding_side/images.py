@@ -44,13 +44,14 @@ DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_PIXELS = 40_000_000  # 4.8 times a 4K frame; a decoded RGB image of it is 120 MB
 DEFAULT_DECODE_BYTES = 4 << 30  # about seven 4K frames decoded and preprocessed at once
+DEFAULT_MAX_VIDEO_FRAMES = 36_000  # frames in a video's container: 20 minutes at 30 fps
 MAX_REDIRECTS = 5
 # Pillow's own bomb guard stays as a second line behind ``max_pixels``.
 Image.MAX_IMAGE_PIXELS = 20_000 * 20_000
 
 
 class ImageInputError(ValueError):
-    """An image reference that cannot be loaded; maps to HTTP 400."""
+    """An image (or video) reference that cannot be loaded; maps to HTTP 400."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class MediaPolicy:
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_images: int = 16  # per request
     decode_bytes: int = DEFAULT_DECODE_BYTES  # host memory for decoding and preprocessing, all requests
+    max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES  # per video, counted in its container
 
     @classmethod
     def create(cls, local_dirs: list[str] | tuple[str, ...] = (), domains: list[str] | None = None,
@@ -91,7 +93,7 @@ def open_image(ref: str, policy: MediaPolicy) -> Image.Image:
         raise ImageInputError("each image must be a non-empty string (path, file://, http(s):// or data: URI)")
     if "\x00" in ref:  # no path, URL or data: URI holds one; the OS would refuse it as a ValueError
         raise ImageInputError(f"{describe(ref)!r}: an image reference must not contain a NUL character")
-    data = _fetch(ref, policy)
+    data = fetch_media(ref, policy)
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
@@ -127,10 +129,11 @@ def is_remote(ref: object) -> bool:
     return isinstance(ref, str) and _scheme(ref) in ("http", "https")
 
 
-def _fetch(ref: str, policy: MediaPolicy) -> bytes:
+def fetch_media(ref: str, policy: MediaPolicy, kind: str = "image") -> bytes:
+    """The bytes ``ref`` names, read under ``policy`` (``kind``: what the messages call it)."""
     scheme = _scheme(ref)
     if scheme == "data":
-        return _data_uri(ref, policy.max_bytes)
+        return _data_uri(ref, policy.max_bytes, kind)
     if scheme in ("http", "https"):
         return _http(ref, policy)
     if scheme == "file":
@@ -252,10 +255,10 @@ def _get(url: str, connect_to: str, seconds: float) -> Iterator[urllib3.BaseHTTP
         yield resp
 
 
-def _data_uri(ref: str, max_bytes: int) -> bytes:
+def _data_uri(ref: str, max_bytes: int, kind: str = "image") -> bytes:
     header, sep, payload = ref.partition(",")
     if not sep or not header.endswith(";base64"):
-        raise ImageInputError(f"{describe(ref)}: data URI must be data:image/...;base64,<payload>")
+        raise ImageInputError(f"{describe(ref)}: data URI must be data:{kind}/...;base64,<payload>")
     if len(payload) * 3 // 4 > max_bytes:
         raise ImageInputError(f"{describe(ref)}: larger than the {max_bytes}-byte limit")
     try:

@@ -15,6 +15,12 @@ The geometry admission needs before the forward pass (tokens per image, from the
 checkpoint processor's own ``smart_resize`` settings; the result's token count is checked
 against it. Families whose processor is not of Qwen's kind (patch, merge, pixel bounds) are
 refused at start: their token count cannot be known before encoding yet.
+
+Videos (Qwen families) go to SGLang's encoder as the container's bytes: it decodes them, samples
+frames at its rate (``qwen_vl.smart_nframes``, 2 fps by default), resizes them
+(``qwen_vl.preprocess_video``) and runs the checkpoint's video processor and the model's
+``get_video_feature``. Their token count is known from the header the same way: SGLang's frame
+count and first resize, then the video processor's own ``get_num_of_video_patches``.
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ import threading
 import uuid
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
 from connector.failures import FailureKind, TransferFailure
 from embedding_side.encoders import EncodedImages, check_shape, settings_fingerprint
+from embedding_side.videos import VideoClip, VideoSampling
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,11 @@ class SGLangEncoder:
         self.patch_size, self.merge_size, self._min_pixels, self._max_pixels = _qwen_geometry(
             processor, self.encoder.preprocessor.vision_config.get("image", {}), self.name)
         self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
+        self.video_token_id = getattr(config, "video_token_id", None)
+        self._video_processor = getattr(self.encoder.preprocessor, "video_processor", None)
+        takes_video = (self._video_processor is not None and self.video_token_id is not None
+                       and "qwen" in self.encoder.model_type)
+        self.modalities = ("image", "video") if takes_video else ("image",)
         self.max_batch = self.scheduler.max_batch_size
         self._fingerprint = settings_fingerprint({
             "encoder": self.name, "processor": processor.to_dict(), "mm_process_config": self.encoder.preprocessor.vision_config,
@@ -102,13 +115,45 @@ class SGLangEncoder:
         elif self.encoder.device != "cpu":
             self.encoder.model.to(self.encoder.device)
 
+    def video_sampling(self, clip: VideoClip) -> VideoSampling:
+        """What SGLang's encoder makes of ``clip`` (ValueError for a clip it refuses): the frames
+        ``preprocess_video`` samples and the size it resizes them to, and the tokens the video
+        processor then makes of them."""
+        from sglang.srt.multimodal.processors import qwen_vl
+
+        config = self.encoder.preprocessor.vision_config.get("video", {})
+        frames = qwen_vl.smart_nframes(config, total_frames=clip.frames, video_fps=clip.fps)
+        frames = len(np.unique(np.linspace(0, clip.frames - 1, num=frames, dtype=np.int64)))
+        # preprocess_video's bounds on the pixels of one sampled frame
+        low = config.get("min_pixels", qwen_vl.VIDEO_MIN_PIXELS)
+        total = config.get("total_pixels", qwen_vl.VIDEO_TOTAL_PIXELS)
+        high = max(min(config.get("max_pixels", qwen_vl.VIDEO_MAX_PIXELS), total / frames * qwen_vl.FRAME_FACTOR),
+                   int(low * 1.05))
+        if "resized_height" in config and "resized_width" in config:
+            height, width = qwen_vl.smart_resize(config["resized_height"], config["resized_width"],
+                                                 factor=qwen_vl.IMAGE_FACTOR)
+        else:
+            height, width = qwen_vl.smart_resize(clip.height, clip.width, factor=qwen_vl.IMAGE_FACTOR,
+                                                 min_pixels=low, max_pixels=high)
+        patches = self._video_processor.get_num_of_video_patches(frames, height, width, videos_kwargs={})
+        return VideoSampling(frames, height, width, patches // (self.merge_size * self.merge_size))
+
     def encode(self, images: list[Image.Image]) -> EncodedImages:
         """One request's images through SGLang's scheduler (batched with whatever else is queued
         there); called from a worker thread, it waits for the result."""
+        return self._wait("IMAGE", list(images))
+
+    def encode_videos(self, clips: list[bytes]) -> EncodedImages:
+        """One request's videos (each a container's bytes) through SGLang's scheduler (one
+        request at a time: it does not fuse videos); ``extras`` has each video's timestamps or
+        seconds per temporal patch."""
+        return self._wait("VIDEO", list(clips))
+
+    def _wait(self, modality: str, items: list) -> EncodedImages:
         rid = f"epd-{uuid.uuid4().hex}"
-        future = asyncio.run_coroutine_threadsafe(self._encode(rid, images), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._encode(rid, modality, items), self._loop)
         try:
-            embedding, grids = future.result()
+            embedding, grids, extras = future.result()
         except BaseException:
             future.cancel()
             raise
@@ -117,10 +162,10 @@ class SGLangEncoder:
         rows = embedding.to("cpu", torch.bfloat16).contiguous()
         if rows.untyped_storage().nbytes() > rows.nbytes:  # a slice of a fused batch: not the whole batch kept
             rows = rows.clone()
-        return EncodedImages(rows.view(torch.uint8).numpy(), grids, self.hidden_size)
+        return EncodedImages(rows.view(torch.uint8).numpy(), grids, self.hidden_size, extras)
 
-    async def _encode(self, rid: str, images: list[Image.Image]):
-        request = {"req_id": rid, "modality": "IMAGE", "mm_items": list(images), "num_parts": 1, "part_idx": 0}
+    async def _encode(self, rid: str, modality: str, items: list):
+        request = {"req_id": rid, "modality": modality, "mm_items": items, "num_parts": 1, "part_idx": 0}
         try:
             _, tokens, width, error, status = await self.scheduler.submit(request)
             if error is not None:
@@ -131,9 +176,19 @@ class SGLangEncoder:
                 raise TransferFailure(FailureKind.INTERNAL, f"SGLang's encoder returned {tokens}x{width}, "
                                                             f"expected width {self.hidden_size}")
             grids = [tuple(int(x) for x in row) for row in staged.grid_dim.tolist()]
-            return staged.embedding, grids
+            return staged.embedding, grids, _video_extras(staged)
         finally:
             await self.encoder.release_request(rid)
+
+
+def _video_extras(staged) -> dict:
+    """A staged video's position metadata as JSON lists, one entry per video."""
+    extras = {}
+    if (stamps := getattr(staged, "video_timestamps", None)) is not None:
+        extras["video_timestamps"] = [[float(t) for t in video] for video in stamps]
+    if (seconds := getattr(staged, "second_per_grid_ts", None)) is not None:
+        extras["second_per_grid_ts"] = [float(s) for s in seconds]
+    return extras
 
 
 def _build_runtime(server_args):

@@ -1,4 +1,4 @@
-"""The encode worker: images -> encoder -> host staging -> connector sender -> delivered.
+"""The encode worker: images (or videos) -> encoder -> host staging -> connector sender -> delivered.
 
 One request (``POST /encode``), each step bounded:
 
@@ -60,6 +60,8 @@ from embedding_side import checkpoint
 from embedding_side.encoders import VisionEncoder, decode_bytes, tokens_for
 from embedding_side.images import ImageInputError, MediaPolicy, decode_image, is_remote, open_image
 from embedding_side.positions import image_positions
+from embedding_side.videos import VideoClip, open_video
+from embedding_side.videos import decode_bytes as video_decode_bytes
 from worker_infra.http import wait_for_future
 from worker_infra.metrics import WorkerMetrics
 from worker_infra.sleep import SleepGate, WorkerState
@@ -119,17 +121,24 @@ class EncodeWorker:
 
     # ---- one request -----------------------------------------------------------------------------
 
-    async def encode(self, rid: str, room: int, image_refs: list, wait_for_delivery: object = True) -> dict:
-        """Encode one request and deliver it; returns the HTTP reply body or raises
-        :class:`TransferFailure` (its kind gives the HTTP status)."""
+    async def encode(self, rid: str, room: int, image_refs: list, wait_for_delivery: object = True,
+                     video_refs: list | None = None) -> dict:
+        """Encode one request (its images, or its videos) and deliver it; returns the HTTP reply
+        body or raises :class:`TransferFailure` (its kind gives the HTTP status)."""
         start = time.monotonic()
+        modality, refs = ("video", video_refs) if video_refs else ("image", image_refs)
         try:
-            if not image_refs or len(image_refs) > self.media.max_images:
+            if image_refs and video_refs:
+                raise TransferFailure(FailureKind.BAD_REQUEST, "a request carries images or videos, not both")
+            if not refs or len(refs) > self.media.max_images:
                 raise TransferFailure(FailureKind.BAD_REQUEST,
-                                      f"images must be a list of 1 to {self.media.max_images} references")
-            if not all(isinstance(ref, str) for ref in image_refs):
+                                      f"{modality}s must be a list of 1 to {self.media.max_images} references")
+            if not all(isinstance(ref, str) for ref in refs):
                 raise TransferFailure(FailureKind.BAD_REQUEST,
-                                      "images must be strings (path, file://, http(s):// or data: URI)")
+                                      f"{modality}s must be strings (path, file://, http(s):// or data: URI)")
+            if modality not in self.encoder.modalities:
+                raise TransferFailure(FailureKind.BAD_REQUEST, f"this encode worker's encoder ({self.encoder.name}) "
+                                                               f"takes {' and '.join(self.encoder.modalities)}s only")
             if not isinstance(wait_for_delivery, bool):
                 raise TransferFailure(FailureKind.BAD_REQUEST, "wait_for_delivery must be true or false")
             await self.gate.wait_awake()
@@ -148,7 +157,7 @@ class EncodeWorker:
             except ValueError as exc:
                 raise TransferFailure(FailureKind.CONFLICT, str(exc)) from None
             try:
-                reply, encoded_at = await self._encode(rid, sender, image_refs)
+                reply, encoded_at = await self._encode(rid, sender, modality, refs)
                 if wait_for_delivery:
                     await wait_for_future(sender.delivered, lambda: None)
                     reply["send_ms"] = round((time.monotonic() - encoded_at) * 1e3, 3)  # to the last round's ack
@@ -190,29 +199,34 @@ class EncodeWorker:
         with self._lock:
             self._pending.discard(rid)
 
-    async def _encode(self, rid: str, sender: EmbeddingSender, refs: list[str]) -> tuple[dict, float]:
+    async def _encode(self, rid: str, sender: EmbeddingSender, modality: str, refs: list[str]) -> tuple[dict, float]:
         """Steps 2 to 5 of the module docstring; returns the reply body and when the embedding
         was ready (``time.monotonic()``)."""
         loop = asyncio.get_running_loop()
         sender.failure_exception()  # aborted by its language peer before it arrived
         try:
             reader = self._fetchers if any(is_remote(ref) for ref in refs) else self._loaders
-            images = await loop.run_in_executor(reader, self._open, refs)
+            items = await loop.run_in_executor(reader, self._open if modality == "image" else self._open_videos, refs)
         except ImageInputError as exc:
             raise TransferFailure(FailureKind.BAD_REQUEST, str(exc)) from None
         try:
-            tokens = sum(tokens_for(image, self.encoder) for image in images)
-            decode_need = sum(decode_bytes(image, self.encoder.resize) for image in images)
-        except ValueError as exc:  # e.g. an aspect ratio Qwen refuses
+            if modality == "image":
+                tokens = sum(tokens_for(image, self.encoder) for image in items)
+                decode_need = sum(decode_bytes(image, self.encoder.resize) for image in items)
+            else:
+                samplings = [self.encoder.video_sampling(clip) for clip in items]
+                tokens = sum(sampling.tokens for sampling in samplings)
+                decode_need = sum(map(video_decode_bytes, items, samplings))
+        except ValueError as exc:  # e.g. an aspect ratio Qwen refuses, a clip too short to sample
             raise TransferFailure(FailureKind.BAD_REQUEST, f"cannot encode: {exc}") from None
         if self.sender.blocks_for(tokens) > self.config.num_blocks:
             raise TransferFailure(FailureKind.TOO_LARGE, f"the embedding needs {self.sender.blocks_for(tokens)} "
                                                          f"blocks ({tokens} tokens); the encode pool has "
                                                          f"{self.config.num_blocks}")
         if decode_need > self.decoding.limit:
-            raise TransferFailure(FailureKind.TOO_LARGE, f"decoding these images takes about {decode_need} bytes, "
-                                                         f"over the decode budget of {self.decoding.limit} "
-                                                         f"(--decode-memory-bytes); send fewer or smaller images")
+            raise TransferFailure(FailureKind.TOO_LARGE, f"decoding these {modality}s takes about {decode_need} "
+                                                         f"bytes, over the decode budget of {self.decoding.limit} "
+                                                         f"(--decode-memory-bytes); send fewer or smaller ones")
         await self._granted(sender.admit(self.sender.staged_bytes_for(tokens)), lambda: (
             f"no host memory for the embedding within {self.config.queue_timeout:g}s ({self.sender.staging.used} "
             f"of {self.config.staging_bytes} bytes staged)"))
@@ -221,33 +235,38 @@ class EncodeWorker:
         work: Future | None = None  # the decode or forward pass under way on a worker thread
         try:
             await self._granted(decode_grant, lambda: (
-                f"no memory to decode the images within {self.config.queue_timeout:g}s ({self.decoding.used} of "
-                f"{self.decoding.limit} decode bytes in use)"))
+                f"no memory to decode the {modality}s within {self.config.queue_timeout:g}s ({self.decoding.used} "
+                f"of {self.decoding.limit} decode bytes in use)"))
             started = time.monotonic()
-            try:
-                work = self._loaders.submit(self._decode, images, refs)
-                images = await asyncio.wrap_future(work)
-            except ImageInputError as exc:
-                raise TransferFailure(FailureKind.BAD_REQUEST, str(exc)) from None
+            if modality == "image":  # a video is decoded by the encoder itself, which samples its frames
+                try:
+                    work = self._loaders.submit(self._decode, items, refs)
+                    items = await asyncio.wrap_future(work)
+                except ImageInputError as exc:
+                    raise TransferFailure(FailureKind.BAD_REQUEST, str(exc)) from None
             while True:
-                work = self._compute.submit(self._run_encoder, sender, images)
+                work = self._compute.submit(self._run_encoder, sender, modality, items)
                 if (encoded := await asyncio.wrap_future(work)) is not None:
                     break
                 await self.gate.wait_awake()  # it fell asleep before this encode could start
         finally:
-            del images  # the decoded pixels go before the budget they were counted in
+            del items  # the decoded pixels go before the budget they were counted in
             release = lambda *_: self._release_decoding(sender.room)  # noqa: E731
             if work is not None and not work.done():  # cancelled meanwhile: the thread still holds the memory
                 work.add_done_callback(release)
             else:
                 release()
-        embedding, grids = encoded
+        embedding, grids, extras = encoded
+        if embedding.num_tokens != tokens:  # the staging reserved above was for the tokens foreseen
+            raise TransferFailure(FailureKind.INTERNAL, f"the encoder made {embedding.num_tokens} tokens of these "
+                                                        f"{modality}s where their headers gave {tokens}")
         encoded_at = time.monotonic()  # decode, preprocess and forward pass
         sender.send(embedding)
-        log.info("rid=%s room=%d: %d images -> %d tokens", rid, sender.room, len(refs), embedding.num_tokens)
-        return {"rid": rid, "num_tokens": embedding.num_tokens, "hidden_size": embedding.hidden_size,
-                "dtype": embedding.dtype, "sha256": embedding.sha256(), "grid_thw": grids,
-                "encode_ms": round((encoded_at - started) * 1e3, 3), "preprocessing": self.encoder.fingerprint()}, encoded_at
+        log.info("rid=%s room=%d: %d %ss -> %d tokens", rid, sender.room, len(refs), modality, embedding.num_tokens)
+        return {"rid": rid, "modality": modality, "num_tokens": embedding.num_tokens,
+                "hidden_size": embedding.hidden_size, "dtype": embedding.dtype, "sha256": embedding.sha256(),
+                "grid_thw": grids, **extras, "encode_ms": round((encoded_at - started) * 1e3, 3),
+                "preprocessing": self.encoder.fingerprint()}, encoded_at
 
     def _release_decoding(self, room: int) -> None:
         with self._lock:
@@ -266,12 +285,15 @@ class EncodeWorker:
     def _open(self, refs: list[str]) -> list[Image.Image]:
         return [open_image(ref, self.media) for ref in refs]
 
+    def _open_videos(self, refs: list[str]) -> list[VideoClip]:
+        return [open_video(ref, self.media) for ref in refs]
+
     @staticmethod
     def _decode(images: list[Image.Image], refs: list[str]) -> list[Image.Image]:
         return [decode_image(image, ref) for image, ref in zip(images, refs, strict=True)]
 
-    def _run_encoder(self, sender: EmbeddingSender,
-                     images: list[Image.Image]) -> tuple[Embedding, list[list[int]]] | None:
+    def _run_encoder(self, sender: EmbeddingSender, modality: str,
+                     items: list) -> tuple[Embedding, list[list[int]], dict] | None:
         """One forward pass (on the compute thread); None when the worker is not awake."""
         with self._lock:
             sender.failure_exception()  # nobody waits for it any more: do no work for it
@@ -280,16 +302,19 @@ class EncodeWorker:
                 return None
             self._computing += 1
         try:
-            encoded = self.encoder.encode(images)
+            if modality == "image":
+                encoded, pad_id = self.encoder.encode(items), self.encoder.image_token_id
+            else:
+                encoded, pad_id = self.encoder.encode_videos([clip.data for clip in items]), self.encoder.video_token_id
         finally:
             with self._idle:
                 self._computing -= 1
                 self._idle.notify_all()
-        fill_ids, mrope, delta = image_positions(encoded.grid_thw, self.encoder.merge_size, self.encoder.image_token_id)
+        fill_ids, mrope, delta = image_positions(encoded.grid_thw, self.encoder.merge_size, pad_id)
         emb = Embedding(encoded.embeddings, fill_ids, mrope, np.zeros(AUX_INTS, np.int32), self.config.hidden_size,
                         self.config.dtype)
         emb.aux[0], emb.aux[1] = emb.num_tokens, delta
-        return emb, [list(g) for g in encoded.grid_thw]
+        return emb, [list(g) for g in encoded.grid_thw], encoded.extras
 
     # ---- health, sleep, wake -------------------------------------------------------------------------
 
@@ -298,7 +323,8 @@ class EncodeWorker:
         failing = self.sender.failing.report()
         return {"status": health_status(self.gate.is_sleeping(), failing), "role": "encode", "failing_language_peers": failing,
                 "state": self.gate.state.value, "bootstrap_port": self.bootstrap.port,
-                "preprocessing": self.encoder.fingerprint(), "max_images": self.media.max_images, "free_blocks": free,
+                "preprocessing": self.encoder.fingerprint(), "modalities": list(self.encoder.modalities),
+                "max_images": self.media.max_images, "free_blocks": free,
                 "num_blocks": total, "active_rooms": self.sender.active_rooms(), **self._queues()}
 
     def is_sleeping(self) -> bool:

@@ -11,12 +11,18 @@ again, with a new room, to an encoder it has not been tried on, up to ``max_atte
 side sees the failure (the ``/encode`` answer, or this worker's room failing: the encoder found
 dead, an init refused, the room aborted; the ``/encode`` is then dropped); that encoder gets
 no new part until its ``/health`` answers again (probed at most once a second, at once when no
-other is left). An
-encoder's other 4xx is about the images: the client's error, with that status, not retried.
-This worker's own refusals (asleep, over its queue) pass through as they are.
+other is left). A part every encoder it was tried on refused as busy or asleep (429/503) is a
+503 for the client (with ``Retry-After``), any other failure a 502. An encoder's other 4xx is
+about the images: the client's error, with that status, not retried. This worker's own
+refusals (asleep, over its queue) pass through as they are.
 
 Embeddings of ``data:`` images are kept in an :class:`EmbeddingCache` under the fingerprint of
 the encoder that made them and read back under the one every encoder reports.
+
+Videos (:meth:`EncoderDispatch.embed_videos`) go the same way, each video a part of its own (an
+encoder encodes videos one at a time), to encoders whose ``/health`` lists "video" among their
+modalities; a video's grid and its position metadata (timestamps, seconds per temporal patch)
+come with the encoder's answer, checked against the rows received. They are not cached.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from connector.failures import FailureKind, TransferFailure
 from language_side.embedding_cache import EmbeddingCache, cache_key, image_digest, split_rows
-from language_side.prompt import PromptError, grids_from_positions
+from language_side.prompt import MERGE, PromptError, grids_from_positions
 from language_side.worker import LanguageWorker
 from worker_infra.http import wait_for_future
 
@@ -65,6 +71,7 @@ class Encoder:
     host: str
     bootstrap_port: int | None = None  # from its /health
     max_images: int = ENCODER_MAX_IMAGES  # per /encode, from its /health
+    modalities: tuple[str, ...] | None = None  # from its /health (None: not known yet)
     outstanding: int = 0  # estimated image tokens of its parts in flight
     healthy: bool = True
     next_probe: float = 0.0
@@ -72,12 +79,14 @@ class Encoder:
 
 @dataclass
 class Embedded:
-    """A request's images, received: rows in image order, their grids, and how it went."""
+    """A request's images (or videos), received: rows in order, their grids, and how it went."""
 
     rows: np.ndarray
     grids: list[tuple[int, int, int]]
     fingerprints: list[str | None] = field(default_factory=list)  # per image: the preprocessing that made it
     meta: dict = field(default_factory=dict)
+    # per video, in order: "video_timestamps" and/or "second_per_grid_ts", as the encoder gave them
+    extras: dict = field(default_factory=dict)
 
 
 class EncoderDispatch:
@@ -120,11 +129,20 @@ class EncoderDispatch:
     def render_metrics(self) -> bytes:
         return generate_latest(self.registry)
 
+    async def embed_videos(self, rid: str, videos: list[str]) -> Embedded:
+        """``videos``' embeddings, encoded and received, each a part of its own; failures as
+        :meth:`embed`'s."""
+        self._open_session()
+        return await self._dispatch(rid, videos, "video")
+
+    def _open_session(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+
     async def embed(self, rid: str, images: list[str]) -> Embedded:
         """``images``' embeddings, from the cache or encoded and received; TransferFailure (its
         kind says the status) or :class:`ImageRefused` when they cannot be had."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        self._open_session()
         digests = await asyncio.to_thread(lambda: [image_digest(s) for s in images]) if self.cache.budget else []
         fingerprint = await self._fingerprint() if any(digests) else None
         found = {}
@@ -163,14 +181,15 @@ class EncoderDispatch:
             return None
         return next(iter(self.fingerprints.values()))
 
-    async def _dispatch(self, rid: str, images: list[str]) -> Embedded:
+    async def _dispatch(self, rid: str, refs: list[str], modality: str = "image") -> Embedded:
         """One part per healthy encoder (fewer parts than images), more when a part would pass
-        the images an encoder takes per request (any encoder may get any part)."""
+        the images an encoder takes per request (any encoder may get any part); one part per
+        video."""
         healthy = [e for e in self.encoders if e.healthy] or self.encoders
-        per_part = max(1, min(e.max_images for e in self.encoders))
-        count = max(min(len(healthy), len(images)), -(-len(images) // per_part))
-        bounds = np.linspace(0, len(images), count + 1).astype(int)
-        tasks = [asyncio.ensure_future(self._part(rid, i, images[a:b]))
+        per_part = max(1, min(e.max_images for e in self.encoders)) if modality == "image" else 1
+        count = max(min(len(healthy), len(refs)), -(-len(refs) // per_part))
+        bounds = np.linspace(0, len(refs), count + 1).astype(int)
+        tasks = [asyncio.ensure_future(self._part(rid, i, refs[a:b], modality))
                  for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
         try:
             parts = await asyncio.gather(*tasks)
@@ -189,26 +208,29 @@ class EncoderDispatch:
                          "encode_ms": max(p.meta["encode_ms"] for p in parts),
                          "encoder_wait_ms": max(p.meta["encoder_wait_ms"] for p in parts),
                          "queue_ms": max(p.meta["queue_ms"] for p in parts),
-                         "encoders": [p.meta["encoder"] for p in parts]})
+                         "encoders": [p.meta["encoder"] for p in parts]},
+                        {key: [v for p in parts for v in p.extras.get(key, [])]
+                         for key in {key for p in parts for key in p.extras}})
 
-    async def _part(self, rid: str, index: int, images: list[str]) -> Embedded:
+    async def _part(self, rid: str, index: int, images: list[str], modality: str = "image") -> Embedded:
         tried: set[str] = set()
-        last: Exception | None = None
+        last: _EncoderFault | None = None
+        only_busy = True  # every encoder tried answered 429/503 (over its queue, or asleep)
         for attempt in range(1, self.max_attempts + 1):
-            enc = await self._pick(tried)
+            enc = await self._pick(tried, modality)
             if enc is None:
                 break
             tried.add(enc.url)
             estimate = self.tokens_per_image * len(images)
             enc.outstanding += estimate
-            part_rid = f"{rid}/part{index}.{attempt}"
+            part_rid = f"{rid}/{'part' if modality == 'image' else 'video'}{index}.{attempt}"
             try:
-                result = await self._encode_and_receive(enc, part_rid, images)
+                result = await self._encode_and_receive(enc, part_rid, images, modality)
             except ImageRefused:
                 self.parts.labels(enc.url, "refused_image").inc()
                 raise
             except _EncoderFault as exc:
-                last = exc
+                last, only_busy = exc, only_busy and exc.busy
                 self.parts.labels(enc.url, "failed").inc()
                 self.retries.inc()
                 enc.healthy, enc.next_probe = False, time.monotonic() + PROBE_INTERVAL
@@ -217,25 +239,27 @@ class EncoderDispatch:
             finally:
                 enc.outstanding -= estimate
             self.parts.labels(enc.url, "ok").inc()
-            self.tokens_per_image = max(1, result.meta["num_tokens"] // len(images))
+            if modality == "image":
+                self.tokens_per_image = max(1, result.meta["num_tokens"] // len(images))
             result.meta |= {"attempts": attempt, "encoder": enc.url}
             return result
         # Never twice on one encoder: what failed a part there (dead, frozen, busy, refusing this
         # worker's rooms) would most likely fail it again, at the cost of another detection.
         others = len(self.encoders) - len(tried)
-        why = (f"; {others} other(s) out of rotation, not answering /health"
+        why = (f"; {others} other(s) out of rotation, not answering /health, or not taking {modality}s"
                if others and len(tried) < self.max_attempts else "")
-        raise TransferFailure(FailureKind.PEER_FAILED, f"request {rid}: no encoder could encode part {index} (tried "
-                                                       f"{len(tried)} of {len(self.encoders)} encoders, one attempt "
-                                                       f"each, at most {self.max_attempts}{why}): "
-                                                       f"{last or 'no encoder answers /health'}")
+        # busy (or asleep) everywhere it was tried: the client's answer is 503 with Retry-After, to come back
+        kind = FailureKind.OVERLOADED if last is not None and only_busy else FailureKind.PEER_FAILED
+        raise TransferFailure(kind, f"request {rid}: no encoder could encode part {index} (tried {len(tried)} of "
+                                    f"{len(self.encoders)} encoders, one attempt each, at most {self.max_attempts}"
+                                    f"{why}): {last or 'no encoder answers /health'}")
 
-    async def _pick(self, tried: set[str]) -> Encoder | None:
-        """The healthy encoder with the fewest outstanding tokens not tried yet. One out of
-        rotation comes back once its /health answers (asked at most once a second, or at once
-        when no other is left)."""
+    async def _pick(self, tried: set[str], modality: str = "image") -> Encoder | None:
+        """The healthy encoder with the fewest outstanding tokens not tried yet (and not known to
+        refuse ``modality``). One out of rotation comes back once its /health answers (asked at
+        most once a second, or at once when no other is left)."""
         now = time.monotonic()
-        left = [e for e in self.encoders if e.url not in tried]
+        left = [e for e in self.encoders if e.url not in tried and (e.modalities is None or modality in e.modalities)]
         none_healthy = not any(e.healthy for e in left)
         for enc in left:
             if not enc.healthy and (none_healthy or now >= enc.next_probe):
@@ -250,12 +274,14 @@ class EncoderDispatch:
                 health = await resp.json()
             enc.bootstrap_port = int(health["bootstrap_port"])
             enc.max_images = int(health.get("max_images", ENCODER_MAX_IMAGES))  # a fork encoder does not say
+            enc.modalities = tuple(str(m) for m in health.get("modalities", ["image"]))
             self.fingerprints[enc.url] = str(health["preprocessing"])
             return resp.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError, TypeError, AttributeError):
             return False
 
-    async def _encode_and_receive(self, enc: Encoder, part_rid: str, images: list[str]) -> Embedded:
+    async def _encode_and_receive(self, enc: Encoder, part_rid: str, images: list[str],
+                                  modality: str = "image") -> Embedded:
         """One part on one encoder. This worker's own refusals (asleep, over its queue, a rid in
         use, an embedding too large for its pool) pass through unchanged; the encoder's failures
         are :class:`_EncoderFault`; the encoder's 4xx about the images is :class:`ImageRefused`."""
@@ -265,7 +291,7 @@ class EncoderDispatch:
         room = secrets.randbits(62)
         future = self.worker.submit(part_rid, f"{enc.host}:{enc.bootstrap_port}", room)
         receiving = asyncio.ensure_future(wait_for_future(future, lambda: None))
-        encoding = asyncio.ensure_future(self._post_encode(enc, part_rid, room, images))
+        encoding = asyncio.ensure_future(self._post_encode(enc, part_rid, room, {f"{modality}s": images}))
         try:
             # Whichever side fails first decides: a room this worker saw fail (encoder declared
             # dead, init refused, room aborted) does not wait for that encoder's /encode to time
@@ -289,13 +315,14 @@ class EncoderDispatch:
             raise
         rows, positions = transfer.pop("embedding"), transfer.pop("mrope_positions")
         try:
-            grids = grids_from_positions(positions)
+            grids, extras = ((grids_from_positions(positions), {}) if modality == "image"
+                             else video_layout(encoded, len(rows), len(images)))
         except PromptError as exc:
             raise _EncoderFault(f"encoder {enc.url}: its embedding cannot be placed: {exc}") from None
         if encoded.get("preprocessing"):
             self.fingerprints[enc.url] = str(encoded["preprocessing"])
         return Embedded(rows, grids, [], transfer | {"encode_ms": encoded.get("encode_ms", 0.0),
-                                                 "preprocessing": self.fingerprints.get(enc.url)})
+                                                 "preprocessing": self.fingerprints.get(enc.url)}, extras)
 
     @staticmethod
     async def _received(enc: Encoder, receiving: asyncio.Future) -> dict:
@@ -307,11 +334,12 @@ class EncoderDispatch:
                 raise
             raise _EncoderFault(f"encoder {enc.url}: {exc}") from None
 
-    async def _post_encode(self, enc: Encoder, part_rid: str, room: int, images: list[str]) -> dict:
+    async def _post_encode(self, enc: Encoder, part_rid: str, room: int, media: dict) -> dict:
+        """``media``: ``{"images": [...]}`` or ``{"videos": [...]}``."""
         assert self._session is not None
         try:
             async with self._session.post(f"{enc.url}/encode", json={"rid": part_rid, "bootstrap_room": room,
-                                                                      "images": images}) as resp:
+                                                                      **media}) as resp:
                 if resp.status == 200:
                     encoded = await resp.json()
                     if not isinstance(encoded, dict):
@@ -322,9 +350,37 @@ class EncoderDispatch:
             raise _EncoderFault(f"encoder {enc.url}: {type(exc).__name__}: {exc}") from None
         if 400 <= resp.status < 500 and resp.status not in (408, 429):  # about the images
             raise ImageRefused(resp.status, f"encoder {enc.url} refused the image ({resp.status}): {why}")
-        raise _EncoderFault(f"encoder {enc.url} answered {resp.status}: {why}")
+        raise _EncoderFault(f"encoder {enc.url} answered {resp.status}: {why}", busy=resp.status in (429, 503))
+
+
+def video_layout(encoded: dict, rows: int, videos: int) -> tuple[list[tuple[int, int, int]], dict]:
+    """The videos' ``(t, h, w)`` grids and position metadata from the encoder's answer, checked
+    against the rows that came (2x2 merge): one grid and one metadata entry per video, one
+    timestamp per temporal patch."""
+    try:
+        grids = [(int(t), int(h), int(w)) for t, h, w in encoded["grid_thw"]]
+        extras = {}
+        if "video_timestamps" in encoded:
+            extras["video_timestamps"] = [[float(t) for t in video] for video in encoded["video_timestamps"]]
+        if "second_per_grid_ts" in encoded:
+            extras["second_per_grid_ts"] = [float(s) for s in encoded["second_per_grid_ts"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PromptError(f"the answer has no usable video grids or metadata ({type(exc).__name__})") from None
+    if len(grids) != videos or sum(t * h * w for t, h, w in grids) != rows * MERGE * MERGE or any(
+            len(values) != videos for values in extras.values()):
+        raise PromptError(f"video grids {grids} and metadata {sorted(extras)} do not describe {rows} rows of "
+                          f"{videos} video(s)")
+    stamps = extras.get("video_timestamps")
+    if stamps is not None and any(len(s) != t for s, (t, _, _) in zip(stamps, grids, strict=True)):
+        raise PromptError("a video's timestamps do not match its temporal patches")
+    return grids, extras
 
 
 class _EncoderFault(Exception):
     """A part failed on the encoder's side (unreachable, busy, failed): it goes to another
-    encoder, and this one gets no new part until its /health answers."""
+    encoder, and this one gets no new part until its /health answers. ``busy``: it said so
+    (429/503: over its queue, or asleep)."""
+
+    def __init__(self, message: str, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy

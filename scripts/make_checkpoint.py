@@ -28,8 +28,8 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start
 VOCAB_SIZE = 512  # 256 bytes + the special tokens, rounded up (the model's table covers every id)
 
 # Chat messages -> prompt, as Qwen2.5-VL lays them out: each turn in <|im_start|>role ...
-# <|im_end|>, each image part as one vision_start / image_pad / vision_end placeholder (the
-# language side expands the pad to the image's token count).
+# <|im_end|>, each image (video) part as one vision_start / image_pad (video_pad) / vision_end
+# placeholder (the language side expands the pad to the image's or video's token count).
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
@@ -37,6 +37,8 @@ CHAT_TEMPLATE = (
     "{%- else -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' or part['type'] == 'image_url' -%}"
     "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' or part['type'] == 'video_url' -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
     "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"

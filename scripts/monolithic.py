@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from language_side.prompt import build_prompt
@@ -39,6 +40,22 @@ def reference_inputs(encoder, tokenizer, text: str, images) -> dict:
     ids = torch.from_numpy(prompt.input_ids)[None]
     mm_types = torch.from_numpy(prompt.image_mask.astype("int64"))[None]
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": mm_types, **kwargs}
+
+
+def sampled_frames(path: str) -> tuple[np.ndarray, dict]:
+    """The frames of the video at ``path`` that SGLang's encoder samples (``smart_nframes`` at its
+    default rate, evenly spaced indices), decoded with the library it decodes with here (decord),
+    and their metadata as transformers' video processors take it (with ``do_sample_frames=False``).
+    The frames are not resized: callers use sizes that SGLang's first resize keeps (multiples of
+    28 within its pixel bounds); transformers' processor then resizes as it would anyway."""
+    import decord
+    from sglang.srt.multimodal.processors.qwen_vl import smart_nframes
+
+    reader = decord.VideoReader(path)
+    total, fps = len(reader), reader.get_avg_fps()
+    count = smart_nframes({}, total_frames=total, video_fps=fps)
+    indices = np.unique(np.linspace(0, total - 1, num=count, dtype=np.int64)).tolist()
+    return reader.get_batch(indices).asnumpy(), {"fps": fps, "frames_indices": indices, "total_num_frames": total}
 
 
 # Two steps of bf16 at the logits' magnitude here (8 to 32: a step of 0.0625 to 0.125)

@@ -12,7 +12,7 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints-cpu.txt \
-    -e ".[mooncake,encoder,dev]"
+    -e ".[mooncake,encoder,video,dev]"
 # SGLang for the plugin: its wheel without dependencies, then the short list it needs here.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "$(grep '^sglang==' requirements-sglang-cpu.txt)"
 # (SGLang's full requirement list is deliberately not installed: no resolver report about it.)

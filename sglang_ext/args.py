@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector.config import SETTINGS, ConnectorConfig, Setting
-from embedding_side.images import DEFAULT_DECODE_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_TIMEOUT_S
+from embedding_side.images import (
+    DEFAULT_DECODE_BYTES,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MAX_VIDEO_FRAMES,
+    DEFAULT_TIMEOUT_S,
+)
 
 MODES = ("encode", "language")
 LANGUAGE_BACKENDS = ("sglang", "native")
@@ -170,7 +176,11 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                    help="host memory for decoding and preprocessing images, all requests together, reserved from "
                         "the image sizes before decoding (a request needing more: 413; others wait up to "
                         f"--queue-timeout, then 503) (default %(default)s = {DEFAULT_DECODE_BYTES / 2**30:g} GiB)")
-    m.add_argument("--image-max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="per image (default %(default)s)")
+    m.add_argument("--image-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="per image or video (default %(default)s)")
+    m.add_argument("--max-video-frames", type=int, default=DEFAULT_MAX_VIDEO_FRAMES,
+                   help="per video, counted in its container before any is decoded (the encoder samples at most "
+                        "768 of them, at 2 per second by default) (default %(default)s)")
     m.add_argument("--image-fetch-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds for the whole fetch of an http(s) image, redirects and body included "
                         "(default %(default)s)")

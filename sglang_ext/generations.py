@@ -31,7 +31,7 @@ import numpy as np
 
 from connector import checkpoint
 from sglang_ext.language_flags import GENERATIONS_ROLE
-from sglang_ext.mm_receiver import EmbeddingUnavailable, image_sources
+from sglang_ext.mm_receiver import EmbeddingUnavailable, media_sources
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,12 @@ def snapshot(manager, receiver) -> list[SavedGeneration]:
         else:
             log.warning("rid=%s: a prompt given as embeddings or a batch is not kept across a restart", rid)
             continue
+        if obj.video_data:
+            log.warning("rid=%s: a request with videos is not kept across a restart (images only)", rid)
+            continue
         rows, grids = receiver.inputs_of(rid)
         saved.append(SavedGeneration(rid, prompt_ids, list(state.output_ids), dict(obj.sampling_params or {}),
-                                     image_sources(obj.image_data), rows, grids))
+                                     media_sources(obj.image_data), rows, grids))
     return saved
 
 

@@ -44,25 +44,43 @@ class EmbeddingUnavailable(ValueError):
         self.status_code = status_code
 
 
-def image_sources(image_data: Any) -> list[str]:
-    """The image references of one request, in prompt order: strings (path, ``file://``,
-    ``http(s)://``, ``data:``), SGLang's ``ImageData`` or ``{"url": ...}``, nested lists flattened."""
-    if image_data is None:
+def media_sources(data: Any, kind: str = "image") -> list[str]:
+    """The image (or video) references of one request, in prompt order: strings (path,
+    ``file://``, ``http(s)://``, ``data:``), SGLang's ``ImageData``/``VideoData`` or ``{"url":
+    ...}``, nested lists flattened."""
+    if data is None:
         return []
-    items = image_data if isinstance(image_data, (list, tuple)) else [image_data]
+    items = data if isinstance(data, (list, tuple)) else [data]
     sources: list[str] = []
     for item in items:
         if isinstance(item, (list, tuple)):
-            sources += image_sources(item)
+            sources += media_sources(item, kind)
             continue
         if item is None:
             continue
         url = item.get("url") if isinstance(item, dict) else getattr(item, "url", item)
         if not isinstance(url, str) or not url:
-            raise EmbeddingUnavailable(400, f"an image must be given by a string (path, URL or data: URI), "
+            raise EmbeddingUnavailable(400, f"each {kind} must be given by a string (path, URL or data: URI), "
                                             f"not {type(url).__name__}")
         sources.append(url)
     return sources
+
+
+async def _none() -> None:
+    return None
+
+
+def _joined_meta(metas: list[dict]) -> dict:
+    """The transfer meta of a request's images and videos, received side by side: counts added,
+    times the longer of the two."""
+    if len(metas) == 1:
+        return metas[0]
+    joined = {}
+    for key in {key for meta in metas for key in meta}:
+        values = [meta[key] for meta in metas if key in meta]
+        joined[key] = (sum(values, []) if isinstance(values[0], list) else
+                       max(values) if key.endswith("_ms") else sum(values))
+    return joined
 
 
 class ResumableReceiver:
@@ -80,39 +98,56 @@ class ResumableReceiver:
         self._restored: dict[str, tuple[np.ndarray, list]] = {}  # rid -> its images' rows and grids, from disk
 
     async def recv_mm_data(self, request_obj, mm_processor, prompt, need_wait_for_mm_inputs: bool = True):
-        if request_obj.video_data or request_obj.audio_data:
-            raise EmbeddingUnavailable(400, "this language worker's encoders take images only (no video or audio)")
-        images = image_sources(request_obj.image_data)
-        if not images or not need_wait_for_mm_inputs:
+        if request_obj.audio_data:
+            raise EmbeddingUnavailable(400, "this language worker's encoders take images and videos, not audio")
+        images, videos = media_sources(request_obj.image_data), media_sources(request_obj.video_data, "video")
+        if not (images or videos) or not need_wait_for_mm_inputs:
             return None
         rid = str(request_obj.rid)
         if (restored := self._restored.pop(rid, None)) is not None:
-            embedded = Embedded(*restored)
+            embedded, embedded_videos = Embedded(*restored), None
         else:
-            embedded = await self._embed(rid, images)
-        embedding = torch.from_numpy(np.ascontiguousarray(embedded.rows)).view(torch.bfloat16).to(self.dtype)
-        grids = torch.tensor(embedded.grids, dtype=torch.long)
+            embedded, embedded_videos = await self._embed(rid, images, videos)
         from sglang.srt.managers.schedule_batch import Modality
 
+        embeddings, layout = {}, {}
+        if embedded is not None:
+            embeddings[Modality.IMAGE] = self._tensor(embedded.rows)
+            layout["img_grid_thw"] = torch.tensor(embedded.grids, dtype=torch.long)
+        if embedded_videos is not None:
+            embeddings[Modality.VIDEO] = self._tensor(embedded_videos.rows)
+            layout["video_grid_thw"] = torch.tensor(embedded_videos.grids, dtype=torch.long)
+            layout |= embedded_videos.extras
         built_at = time.monotonic()
         try:
-            inputs = mm_processor.get_validated_mm_data(prompt, {Modality.IMAGE: embedding}, img_grid_thw=grids)
+            inputs = mm_processor.get_validated_mm_data(prompt, embeddings, **layout)
         except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as exc:  # placeholders disagree
-            raise EmbeddingUnavailable(400, f"the prompt's image placeholders do not match its {len(images)} "
-                                            f"image(s): {exc}") from None
-        meta = embedded.meta
-        if self.keep_inputs:
+            raise EmbeddingUnavailable(400, f"the prompt's placeholders do not match its {len(images)} image(s) and "
+                                            f"{len(videos)} video(s): {exc}") from None
+        meta = _joined_meta([e.meta for e in (embedded, embedded_videos) if e is not None])
+        if self.keep_inputs and embedded is not None and embedded_videos is None:
             self._inputs[rid] = (embedded.rows, embedded.grids)
         self._transfer_meta[rid] = {key: meta[key] for key in TRANSFER_META if key in meta}
-        log.info("rid=%s: %d image tokens from %s, %d resume rounds, transfer %.0f ms, %d cached image(s); SGLang's "
-                 "inputs built in %.0f ms", rid, len(embedded.rows), meta.get("encoders"), meta.get("resume_rounds", 0),
-                 meta.get("transfer_ms", 0.0), meta.get("cached_images", 0), (time.monotonic() - built_at) * 1e3)
+        log.info("rid=%s: %d image and %d video tokens from %s, %d resume rounds, transfer %.0f ms, %d cached image(s); "
+                 "SGLang's inputs built in %.0f ms", rid, 0 if embedded is None else len(embedded.rows),
+                 0 if embedded_videos is None else len(embedded_videos.rows), meta.get("encoders"),
+                 meta.get("resume_rounds", 0), meta.get("transfer_ms", 0.0), meta.get("cached_images", 0),
+                 (time.monotonic() - built_at) * 1e3)
         return inputs
 
-    async def _embed(self, rid: str, images: list[str]) -> Embedded:
-        task = self._embedding[rid] = asyncio.ensure_future(self.dispatch.embed(rid, images))
+    def _tensor(self, rows: np.ndarray) -> torch.Tensor:
+        """bf16 bytes [tokens, 2 * hidden] as the model's dtype."""
+        return torch.from_numpy(np.ascontiguousarray(rows)).view(torch.bfloat16).to(self.dtype)
+
+    async def _embed(self, rid: str, images: list[str], videos: list[str]) -> tuple[Embedded | None, Embedded | None]:
+        """The request's images and videos, at the encoders at once."""
+        async def both():
+            return await asyncio.gather(self.dispatch.embed(rid, images) if images else _none(),
+                                        self.dispatch.embed_videos(rid, videos) if videos else _none())
+
+        task = self._embedding[rid] = asyncio.ensure_future(both())
         try:
-            return await task
+            return tuple(await task)
         except ImageRefused as exc:
             raise EmbeddingUnavailable(exc.status, str(exc)) from None
         except TransferFailure as exc:

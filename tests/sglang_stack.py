@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import requests
 from monolithic import greedy_mismatch
 from transfer_large_image import make_image
@@ -15,6 +16,11 @@ SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 NEW_TOKENS = 12
 PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+# (width, height, frames, fps): 8 frames at 2 fps are what SGLang samples of the first; of the
+# second (4 s at 30 fps) it samples 8 of 120. Both sizes are multiples of 28 within its pixel
+# bounds, so its first resize keeps them and the reference needs no resize of its own.
+CLIPS = {"392x280x8": (392, 280, 8, 2), "448x252x120": (448, 252, 120, 30)}
 SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "3840x2160": (3840, 2160)}
 
 
@@ -27,8 +33,28 @@ def write_images(root: Path) -> dict[str, str]:
     return paths
 
 
-def prompt(n_images: int) -> str:
-    return PROMPT.format(images=IMAGE * n_images)
+def write_clips(root: Path) -> dict[str, str]:
+    """One MP4 (MPEG-4 part 2) of each of :data:`CLIPS` under ``root``: moving stripes and noise."""
+    import av
+
+    paths = {}
+    for seed, (name, (width, height, frames, fps)) in enumerate(CLIPS.items()):
+        paths[name] = str(root / f"{name}.mp4")
+        rng = np.random.default_rng(seed)
+        y, x = np.mgrid[0:height, 0:width]
+        with av.open(paths[name], "w", format="mp4") as media:
+            stream = media.add_stream("mpeg4", rate=fps)
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            for i in range(frames):
+                wave = np.sin(x / 17.0 + i / 3 + seed) * 80 + np.cos(y / (13.0 + seed)) * 40 + 128
+                pixels = np.clip(wave[..., None] + rng.normal(0, 10, (height, width, 3)), 0, 255).astype(np.uint8)
+                media.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+            media.mux(stream.encode())
+    return paths
+
+
+def prompt(n_images: int, n_videos: int = 0) -> str:
+    return PROMPT.format(images=IMAGE * n_images + VIDEO * n_videos)
 
 
 def generate(language: WorkerProcess, paths: list[str], rid: str, new_tokens: int = NEW_TOKENS,
@@ -37,6 +63,14 @@ def generate(language: WorkerProcess, paths: list[str], rid: str, new_tokens: in
     body = {"rid": rid, "text": prompt(len(paths)), "image_data": paths,
             "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}} | extra
     return requests.post(f"{language.url}/generate", json=body, timeout=300)
+
+
+def generate_videos(language: WorkerProcess, clips: list[str], rid: str, images: list[str] = ()) -> dict:
+    """A greedy ``/generate`` of :data:`NEW_TOKENS` for ``images`` then ``clips`` in the prompt,
+    checked for 200; the response body."""
+    answer = generate(language, list(images), rid, text=prompt(len(images), len(clips)), video_data=clips)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
 
 
 def generate_as_reference(language: WorkerProcess, paths: list[str], rid: str, reference) -> dict:

@@ -25,7 +25,7 @@ from test_generate_api import P, generate, images, metric, wait_idle  # noqa: F4
 from transfer_large_image import make_image
 from workers import WorkerProcess
 
-from connector.failures import TransferFailure
+from connector.failures import FailureKind, TransferFailure
 from language_side.dispatch import EncoderDispatch, _EncoderFault
 from language_side.embedding_cache import EmbeddingCache
 
@@ -214,7 +214,7 @@ def test_a_part_is_tried_once_per_encoder_at_most_three_times_and_the_error_says
     dispatch = EncoderDispatch([f"http://127.0.0.1:{9000 + i}" for i in range(encoders)], None, EmbeddingCache(0))
     asked: list[str] = []
 
-    async def failing(enc, part_rid, sources):
+    async def failing(enc, part_rid, sources, modality):
         asked.append(enc.url)
         raise _EncoderFault(f"encoder {enc.url} failed the room")
 
@@ -227,6 +227,27 @@ def test_a_part_is_tried_once_per_encoder_at_most_three_times_and_the_error_says
         asyncio.run(dispatch._part("rid", 0, ["image.png"]))
     assert len(asked) == len(set(asked)) == tried
     assert f"(tried {tried} of {encoders} encoders, one attempt each, at most 3)" in str(failure.value)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("busy, kind", [([True, True], FailureKind.OVERLOADED), ([True, False], FailureKind.PEER_FAILED)])
+def test_a_part_every_encoder_refused_as_busy_is_a_503_not_a_502(monkeypatch, busy, kind) -> None:
+    """Encoders that answered 429/503 (over their queue, or asleep) everywhere the part was tried:
+    the client is told to come back (503, Retry-After), not that the encoders failed (502)."""
+    dispatch = EncoderDispatch([f"http://127.0.0.1:{9000 + i}" for i in range(len(busy))], None, EmbeddingCache(0))
+    answers = iter(busy)
+
+    async def refusing(enc, part_rid, sources, modality):
+        raise _EncoderFault(f"encoder {enc.url} answered 503: the encode worker is asleep", busy=next(answers))
+
+    async def healthy(enc) -> bool:
+        return True
+
+    monkeypatch.setattr(dispatch, "_encode_and_receive", refusing)
+    monkeypatch.setattr(dispatch, "_probe", healthy)
+    with pytest.raises(TransferFailure) as failure:
+        asyncio.run(dispatch._part("rid", 0, ["image.png"]))
+    assert failure.value.kind == kind and "the encode worker is asleep" in str(failure.value)
 
 
 def test_three_encoders_two_language_workers_32_chats_one_encoder_killed_halfway(folder, images) -> None:  # noqa: F811

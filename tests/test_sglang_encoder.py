@@ -7,11 +7,13 @@ One encoder and one language server for the module. The language side allocates 
 first, so the 3840x2160 image (8,160 tokens) is sent in several resume rounds. Every generated id
 is checked against transformers' monolithic ``generate`` from the pixels (its own processor and
 model) on the same checkpoint, whose greedy ids depend on the picture (checked too): equal, or
-equal up to a near tie of the reference's (``monolithic.greedy_mismatch``).
+equal up to a near tie of the reference's (``monolithic.greedy_mismatch``). Videos (MP4) too: the
+reference gets the frames SGLang's encoder samples, decoded by the same library.
 """
 
 from __future__ import annotations
 
+import base64
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,9 +21,20 @@ import psutil
 import pytest
 import requests
 from make_checkpoint import write_qwen3_vl_checkpoint
-from monolithic import Greedy, greedy_generate
+from monolithic import Greedy, greedy_generate, greedy_mismatch, sampled_frames
 from PIL import Image
-from sglang_stack import NEW_TOKENS, SGLANG_LAUNCH, SIZES, generate, generate_as_reference, prompt, write_images
+from sglang_stack import (
+    CLIPS,
+    NEW_TOKENS,
+    SGLANG_LAUNCH,
+    SIZES,
+    generate,
+    generate_as_reference,
+    generate_videos,
+    prompt,
+    write_clips,
+    write_images,
+)
 from workers import SGLANG_READY, WorkerProcess
 
 pytestmark = pytest.mark.sglang
@@ -38,6 +51,11 @@ def folder(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> dict[str, str]:
     return write_images(tmp_path_factory.mktemp("qwen3-images"))
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory) -> dict[str, str]:
+    return write_clips(tmp_path_factory.mktemp("qwen3-clips"))
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +84,15 @@ def reference(folder):
     processor = AutoProcessor.from_pretrained(folder)
     model = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).eval()
 
-    def greedy(paths: list[str]) -> Greedy:
-        pictures = [Image.open(p).convert("RGB") for p in paths]
-        return greedy_generate(model, processor(text=[prompt(len(paths))], images=pictures, return_tensors="pt"),
-                               NEW_TOKENS)
+    def greedy(paths: list[str], videos: list[str] = ()) -> Greedy:
+        """Images, then videos (the frames SGLang samples, with their times: the processor puts
+        each temporal patch's timestamp in the prompt)."""
+        pictures = [Image.open(p).convert("RGB") for p in paths] or None
+        sampled = [sampled_frames(v) for v in videos]
+        clips = {"videos": [f for f, _ in sampled], "video_metadata": [m for _, m in sampled],
+                 "do_sample_frames": False} if videos else {}
+        return greedy_generate(model, processor(text=[prompt(len(paths), len(videos))], images=pictures,
+                                                return_tensors="pt", **clips), NEW_TOKENS)
 
     return greedy
 
@@ -101,9 +124,42 @@ def test_two_images_in_one_prompt_equal_monolithic(workers, images, reference) -
     generate_as_reference(language, [images["448x448"], images["other"]], "qwen3-two", reference)
 
 
-def test_the_reference_depends_on_the_picture(reference, images) -> None:
+@pytest.mark.parametrize("clip", list(CLIPS))
+def test_a_video_equals_monolithic(workers, clips, reference, clip) -> None:
+    """An MP4 in /generate's video_data: SGLang's encoder decodes and samples it (8 frames of 8,
+    and of 120), its rows and timestamps come through the connector, SGLang's language server
+    lays out the frames with their times."""
+    _, language = workers
+    body = generate_videos(language, [clips[clip]], f"qwen3-video-{clip}")
+    assert greedy_mismatch(body["output_ids"], reference([], [clips[clip]])) is None
+    assert body["meta_info"]["video_tokens"] == 4 * {"392x280x8": 18 * 24, "448x252x120": 16 * 28}[clip] // 4
+
+
+def test_an_image_and_a_video_in_one_prompt_equal_monolithic(workers, images, clips, reference) -> None:
+    _, language = workers
+    body = generate_videos(language, [clips["392x280x8"]], "qwen3-mixed", images=[images["other"]])
+    assert greedy_mismatch(body["output_ids"], reference([images["other"]], [clips["392x280x8"]])) is None
+
+
+def test_an_openai_chat_with_a_video_url_gets_generates_answer(workers, clips, folder) -> None:
+    """The openai client's ``video_url`` part (a data: URI) through the chat template: the same
+    text as /generate for the same clip (which equals the reference above)."""
+    from openai import OpenAI
+
+    _, language = workers
+    data = "data:video/mp4;base64," + base64.b64encode(Path(clips["392x280x8"]).read_bytes()).decode()
+    chat = OpenAI(base_url=f"{language.url}/v1", api_key="unused").chat.completions.create(
+        model=folder, max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {"url": data}},
+                                               {"type": "text", "text": "Describe it."}]}])
+    assert chat.usage.prompt_tokens_details.video_tokens == 432, chat.usage
+    assert chat.choices[0].message.content == generate_videos(language, [clips["392x280x8"]], "qwen3-video-chat")["text"]
+
+
+def test_the_reference_depends_on_the_picture(reference, images, clips) -> None:
     """Else the equality checks above would pass for any embedding."""
     assert reference([images["448x448"]]).ids != reference([images["other"]]).ids
+    assert reference([], [clips["392x280x8"]]).ids != reference([], [clips["448x252x120"]]).ids
 
 
 def test_concurrent_requests_are_batched_by_sglangs_scheduler(workers, images) -> None:
@@ -123,10 +179,11 @@ def test_a_deep_sleep_drops_the_weights_and_the_wake_up_reads_them_again(workers
     encode, language = workers
     slept = requests.post(f"{encode.url}/sleep", params={"level": "2", "preserve_state": "true"}, timeout=60)
     assert slept.status_code == 200 and slept.json()["is_sleeping"], slept.text
-    # the encoder's 503 to the /encode (502: no encoder could encode it) or its room failed asleep (503),
-    # whichever reaches the language side first; either way the client is told why
+    # the encoder's 503 to the /encode or its room failed asleep, whichever reaches the language
+    # side first: either way 503 (come back later), saying why
     refused = generate(language, [images["other"]], "qwen3-asleep")
-    assert refused.status_code in (502, 503) and "the encode worker is asleep" in refused.text, refused.text
+    assert refused.status_code == 503 and "the encode worker is asleep" in refused.text, refused.text
+    assert refused.headers["Retry-After"], refused.headers
     woke = requests.post(f"{encode.url}/wake_up", timeout=120)
     assert woke.status_code == 200 and not woke.json()["is_sleeping"], woke.text
     generate_as_reference(language, [images["other"]], "qwen3-awake", reference)

@@ -5,14 +5,18 @@ ones it produces, batching and sleep change nothing, and what it cannot serve is
 from __future__ import annotations
 
 import argparse
+from unittest import mock
 
 import pytest
+import sglang_stack
 import torch
 from make_checkpoint import write_qwen3_vl_checkpoint
 from PIL import Image
 from transfer_large_image import make_image
 
 from embedding_side.encoders import tokens_for
+from embedding_side.images import MediaPolicy
+from embedding_side.videos import open_video
 from sglang_ext.args import embedding_width
 from sglang_ext.encoder_flags import encoder_argv, standalone_server_args
 
@@ -63,6 +67,27 @@ def test_token_counts_before_encoding_are_the_encoders(encoder) -> None:
         encoded = encoder.encode([picture])
         t, h, w = encoded.grid_thw[0]
         assert tokens_for(picture, encoder) == encoded.embeddings.shape[0] == t * h * w // 4, (width, height)
+
+
+def test_video_token_counts_before_encoding_are_the_encoders(encoder, tmp_path) -> None:
+    """From the header alone (SGLang's frame sampling and first resize, then the video
+    processor's count): sizes it keeps, scales up (under its minimum) and down, an odd frame
+    count, a long clip sampled down; and its timestamps, one per temporal patch."""
+    clips = {"keep": (392, 280, 8, 2), "small": (160, 96, 6, 2), "large": (1280, 720, 10, 5),
+             "odd": (300, 200, 9, 3), "long": (448, 252, 120, 30)}
+    with mock.patch.dict(sglang_stack.CLIPS, clips, clear=True):
+        paths = sglang_stack.write_clips(tmp_path)
+    media = MediaPolicy.create([str(tmp_path)])
+    for name, path in paths.items():
+        clip = open_video(path, media)
+        sampling = encoder.video_sampling(clip)
+        encoded = encoder.encode_videos([clip.data])
+        (t, h, w), = encoded.grid_thw
+        assert sampling.tokens == encoded.embeddings.shape[0] == t * h * w // 4, name
+        assert t == sampling.frames // 2 and len(encoded.extras["video_timestamps"][0]) == t, (name, encoded.extras)
+    with pytest.raises(ValueError, match="nframes"):  # one frame: too short to sample
+        with mock.patch.dict(sglang_stack.CLIPS, {"one": (392, 280, 1, 2)}, clear=True):
+            encoder.video_sampling(open_video(sglang_stack.write_clips(tmp_path)["one"], media))
 
 
 def test_a_batch_and_a_sleep_change_no_row(encoder) -> None:

@@ -27,8 +27,18 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs
-from sglang_stack import NEW_TOKENS, SGLANG_LAUNCH, SIZES, generate, generate_as_reference, prompt, write_images
+from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs, sampled_frames
+from sglang_stack import (
+    NEW_TOKENS,
+    SGLANG_LAUNCH,
+    SIZES,
+    generate,
+    generate_as_reference,
+    generate_videos,
+    prompt,
+    write_clips,
+    write_images,
+)
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 from workers import SGLANG_READY, WorkerProcess, free_port
 
@@ -88,10 +98,14 @@ SECOND_ARGS: list[str] = []
 
 
 @pytest.fixture(scope="module")
-def reference(folder):
+def model(folder):
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(folder, model):
     encoder = QwenVisionEncoder(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
 
     def greedy(paths: list[str], new_tokens: int = NEW_TOKENS) -> Greedy:
         from PIL import Image
@@ -100,6 +114,28 @@ def reference(folder):
         return greedy_generate(model, reference_inputs(encoder, tokenizer, prompt(len(paths)), pictures), new_tokens)
 
     return greedy
+
+
+@pytest.fixture(scope="module")
+def video_reference(folder, model):
+    """transformers' own processor on the frames SGLang's encoder samples (their rate gives
+    Qwen2.5-VL's seconds per temporal patch), and its model."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(folder)
+
+    def greedy(videos: list[str]) -> Greedy:
+        sampled = [sampled_frames(v) for v in videos]
+        inputs = processor(text=[prompt(0, len(videos))], videos=[f for f, _ in sampled], do_sample_frames=False,
+                           video_metadata=[m for _, m in sampled], return_tensors="pt")
+        return greedy_generate(model, inputs, NEW_TOKENS)
+
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory) -> dict[str, str]:
+    return write_clips(tmp_path_factory.mktemp("sglang-clips"))
 
 
 @pytest.mark.parametrize("size", list(SIZES))
@@ -117,6 +153,19 @@ def test_greedy_ids_equal_monolithic(workers, images, reference, size) -> None:
 def test_two_images_in_one_prompt_equal_monolithic(workers, images, reference) -> None:
     _, language = workers
     generate_as_reference(language, [images["other"], images["448x448"]], "two-images", reference)
+
+
+def test_videos_equal_monolithic(workers, clips, video_reference) -> None:
+    """Each clip alone, then both in one prompt (two parts, one per video): SGLang's encoder
+    samples and encodes them, the seconds per temporal patch come along for the positions."""
+    _, language = workers
+    for name, clip in clips.items():
+        body = generate_videos(language, [clip], f"video-{name}")
+        assert greedy_mismatch(body["output_ids"], video_reference([clip])) is None, name
+    both = generate_videos(language, list(clips.values()), "two-videos")
+    assert greedy_mismatch(both["output_ids"], video_reference(list(clips.values()))) is None
+    assert both["meta_info"]["video_tokens"] == 4 * (20 * 28 + 18 * 32) // 4, both["meta_info"]
+    assert video_reference([clips["392x280x8"]]).ids != video_reference([clips["448x252x120"]]).ids
 
 
 def test_a_repeated_image_is_served_from_the_radix_cache(workers, images, reference) -> None:
@@ -558,7 +607,7 @@ def test_an_image_the_encoder_refuses_is_the_clients_error(workers, images) -> N
     _, language = workers
     mismatch = generate(language, [images["448x448"]], "mismatch", text="<|video_pad|> hi")
     assert mismatch.status_code == 400, mismatch.text
-    assert "image placeholders do not match its 1 image(s)" in mismatch.json()["error"]["message"]
+    assert "placeholders do not match its 1 image(s) and 0 video(s)" in mismatch.json()["error"]["message"]
     answer = generate(language, ["/etc/shadow"], "refused")
     assert answer.status_code == 400, answer.text
     assert "only read inside --allowed-local-media-path" in answer.json()["error"]["message"]

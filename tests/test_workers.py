@@ -190,7 +190,7 @@ def data_uri(payload: bytes) -> str:
     ({"rid": "b1", "bootstrap_room": 1, "images": [data_uri(b"\x89PNG garbage" * 50)]}, 400, "not a decodable"),
     ({"rid": "b2", "bootstrap_room": 2, "images": ["gopher://x/y.png"]}, 400, "unsupported scheme"),
     ({"rid": "b3", "bootstrap_room": 3, "images": ["http://127.0.0.1:1/a.png"]}, 400, "unreachable"),
-    ({"rid": "b4", "bootstrap_room": 4}, 400, "missing field 'images'"),
+    ({"rid": "b4", "bootstrap_room": 4}, 400, "images must be a list of 1 to 16 references"),
     ({"rid": "b5", "bootstrap_room": -5, "images": ["x.png"]}, 400, "bootstrap_room must be"),
     ({"rid": "b6", "bootstrap_room": "seven", "images": ["x.png"]}, 400, "wrong type"),
     ({"rid": "b7", "bootstrap_room": 8, "images": []}, 400, "list of 1 to"),
