@@ -12,9 +12,11 @@ decoded images to the scheduler from its compute threads, takes the staged embed
 releases it: SGLang's delivery objects never run.
 
 The geometry admission needs before the forward pass (tokens per image, from the header) is the
-checkpoint processor's own ``smart_resize`` settings; the result's token count is checked
-against it. Families whose processor is not of Qwen's kind (patch, merge, pixel bounds) are
-refused at start: their token count cannot be known before encoding yet.
+checkpoint processor's own ``smart_resize`` settings, or, for a family whose model resizes
+images itself before its processor (MiniMax-M3-VL's ``preprocess_mm_for_encoder``), that
+family's rule from SGLang's module; the worker checks the result's token count against it.
+Families whose processor is not of Qwen's kind (patch, merge, pixel bounds) are refused at
+start: their token count cannot be known before encoding yet.
 
 Videos (Qwen families) go to SGLang's encoder as the container's bytes: it decodes them, samples
 frames at its rate (``qwen_vl.smart_nframes``, 2 fps by default), resizes them
@@ -55,9 +57,7 @@ class SGLangEncoder:
 
         load_plugins()  # our hooks (the CPU vision attention); a no-op under SGLang's launcher
         from sglang.srt.managers.schedule_batch import Modality
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-        self._smart_resize = smart_resize
         self.model_path = server_args.model_path
         self.encoder, self.scheduler = _build_runtime(server_args)
         config = self.encoder.model_config.hf_config
@@ -65,8 +65,10 @@ class SGLangEncoder:
         self.hidden_size = int(self.encoder._embedding_dims[Modality.IMAGE])
         self.dtype = self.encoder._embedding_dtype
         processor = self.encoder.preprocessor.image_processor
-        self.patch_size, self.merge_size, self._min_pixels, self._max_pixels = _qwen_geometry(
-            processor, self.encoder.preprocessor.vision_config.get("image", {}), self.name)
+        overrides = self.encoder.preprocessor.vision_config.get("image", {})
+        self.patch_size, self.merge_size, low, high = _qwen_geometry(processor, overrides, self.name)
+        self._resize = _resize_rule(self.encoder.model_type, self.patch_size * self.merge_size, low, high,
+                                    overrides.get("max_pixels"))
         self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
         self.video_token_id = getattr(config, "video_token_id", None)
         self._video_processor = getattr(self.encoder.preprocessor, "video_processor", None)
@@ -95,8 +97,7 @@ class SGLangEncoder:
 
     def resize(self, height: int, width: int) -> tuple[int, int]:
         check_shape(height, width)
-        return self._smart_resize(height, width, factor=self.patch_size * self.merge_size, min_pixels=self._min_pixels,
-                            max_pixels=self._max_pixels)
+        return self._resize(height, width)
 
     def offload(self, level: int) -> None:
         """Level 1 keeps the weights in host memory (moved there from a GPU), level 2 drops them."""
@@ -221,6 +222,22 @@ def _qwen_geometry(processor, overrides: dict, name: str) -> tuple[int, int, int
                          f"(patch_size, merge_size, min/max pixels); this encode worker cannot size its images "
                          f"before encoding them")
     return patch, merge, low, high
+
+
+def _resize_rule(model_type: str, factor: int, low: int, high: int, max_pixels: int | None):
+    """(height, width) -> the size SGLang's encoder resizes an image to for ``model_type``:
+    MiniMax-M3-VL's model resizes it before its processor (which then keeps the size): the
+    long side to at most 2016 px, or within ``--mm-process-config``'s image ``max_pixels`` when
+    given; every other family's processor resizes it (Qwen's ``smart_resize`` within [low, high])."""
+    if model_type == "minimax_m3_vl":
+        from sglang.srt.multimodal.processors import minimax_m3_vl, qwen_vl
+
+        if max_pixels:
+            return lambda h, w: qwen_vl.smart_resize(h, w, factor=factor, max_pixels=max_pixels)
+        return lambda h, w: minimax_m3_vl._compute_aligned_size(h, w, factor, minimax_m3_vl.DEFAULT_IMAGE_LONG_SIDE)
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    return lambda h, w: smart_resize(h, w, factor=factor, min_pixels=low, max_pixels=high)
 
 
 def _model_files(folder: Path) -> list:

@@ -1,6 +1,6 @@
-"""Write a complete seeded Qwen2.5-VL (or Qwen3-VL) checkpoint folder: vision tower, language
-model, an offline tokenizer with Qwen's special tokens and a chat template, and the image
-preprocessor config.
+"""Write a complete seeded Qwen2.5-VL (or Qwen3-VL, or MiniMax-M3-VL: ``checkpoint_minimax.py``)
+checkpoint folder: vision tower, language model, an offline tokenizer with the family's special
+tokens and a chat template, and the image (and video) preprocessor configs.
 
 Nothing can be downloaded here, so this folder stands in for a real checkpoint on both workers
 (the encode worker loads its vision tower, the language worker its language model and
@@ -9,6 +9,7 @@ exact, so the disaggregated path can be compared with transformers' monolithic m
 
     python scripts/make_checkpoint.py /tmp/qwen-seeded [--hidden-size 2048] [--seed 0] [--layers 28]
     python scripts/make_checkpoint.py /tmp/qwen3-seeded --family qwen3_vl
+    python scripts/make_checkpoint.py /tmp/minimax-seeded --family minimax_m3_vl
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ def byte_symbols() -> list[str]:
     return [symbols[b] for b in range(256)]
 
 
-def write_tokenizer(folder: Path) -> dict[str, int]:
-    """A byte-level tokenizer (every byte one token, no merges) plus the special tokens, saved
-    so ``AutoTokenizer.from_pretrained(folder)`` loads it; returns the special tokens' ids."""
+def write_tokenizer(folder: Path, special: tuple[str, ...] = SPECIAL_TOKENS, template: str = CHAT_TEMPLATE,
+                    **roles: str) -> dict[str, int]:
+    """A byte-level tokenizer (every byte one token, no merges) plus the ``special`` tokens (the
+    first two are the pad/bos and the chat-role ones of ``roles``: Qwen's by default), saved so
+    ``AutoTokenizer.from_pretrained(folder)`` loads it; returns the special tokens' ids."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -71,16 +74,16 @@ def write_tokenizer(folder: Path) -> dict[str, int]:
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    core.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    core.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in special])
     # as in Qwen's own tokenizer, the chat and vision tokens are special (clients that sample
     # random prompts, such as SGLang's benchmark, leave them out)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        extra_special_tokens=list(SPECIAL_TOKENS[1:2] + SPECIAL_TOKENS[3:]),
-                                        model_max_length=32768)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    roles = roles or {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, **roles, model_max_length=32768,
+                                        extra_special_tokens=[t for t in special if t not in roles.values()])
+    tokenizer.chat_template = template
     tokenizer.save_pretrained(folder)
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    assert list(ids.values()) == list(range(256, 256 + len(SPECIAL_TOKENS))), ids
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in special}
+    assert list(ids.values()) == list(range(256, 256 + len(special))), ids
     return ids
 
 
@@ -183,10 +186,14 @@ if __name__ == "__main__":
     ap.add_argument("--hidden-size", type=int, default=3584, help="language width = vision output (default 3584)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=1, help="language model layers (default 1)")
-    ap.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl",
-                    help="qwen3_vl: a fixed small shape (--hidden-size and --layers do not apply)")
+    ap.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl", "minimax_m3_vl"], default="qwen2_5_vl",
+                    help="qwen3_vl, minimax_m3_vl: a fixed small shape (--hidden-size and --layers do not apply)")
     args = ap.parse_args()
     if args.family == "qwen3_vl":
         print(write_qwen3_vl_checkpoint(args.folder, args.seed))
+    elif args.family == "minimax_m3_vl":
+        from checkpoint_minimax import write_minimax_m3_vl_checkpoint
+
+        print(write_minimax_m3_vl_checkpoint(args.folder, args.seed))
     else:
         print(write_checkpoint(args.folder, args.hidden_size, args.seed, args.layers))

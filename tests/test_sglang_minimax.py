@@ -1,0 +1,146 @@
+"""A family that is not Qwen: MiniMax-M3-VL (``scripts/checkpoint_minimax.py``), SGLang's own
+encoder in the encode worker, SGLang's language server, the resumable connector between.
+
+MiniMax-M3-VL's model resizes each image before its processor (the long side to at most 2016 px,
+sides to multiples of 28, the short side to at least 112) and the processor then keeps the
+size; the encode worker knows the token count from the header by that rule
+(``sglang_encoder._resize_rule``). The reference is transformers' own
+``MiniMaxM3SparseForConditionalGeneration.generate`` with its own processor (no resize of its
+own) on the image as SGLang's rule resizes it (its own function); greedy ids equal, or equal up
+to a near tie of the reference's (``monolithic.greedy_mismatch``). The language side allocates
+1024 tokens first, so 1920x1080 (2,691 tokens) and 3840x2160 (2,880) come in resume rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+from pathlib import Path
+
+import pytest
+import requests
+from checkpoint_minimax import write_minimax_m3_vl_checkpoint
+from monolithic import Greedy, greedy_generate, greedy_mismatch
+from PIL import Image
+from sglang_stack import NEW_TOKENS, SGLANG_LAUNCH, SIZES, write_images
+from transfer_large_image import make_image
+from workers import SGLANG_READY, WorkerProcess
+
+from embedding_side.encoders import tokens_for
+from sglang_ext.encoder_flags import standalone_server_args
+
+pytestmark = pytest.mark.sglang
+
+FIRST_ALLOCATION = 1024
+PROMPT = "]~!b[]~b]user\n{images}Describe it.[e~[\n]~b]ai\n"
+IMAGE = "]<]image[>["
+
+
+def prompt(n_images: int) -> str:
+    return PROMPT.format(images=IMAGE * n_images)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return str(write_minimax_m3_vl_checkpoint(tmp_path_factory.mktemp("minimax")))
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> dict[str, str]:
+    return write_images(tmp_path_factory.mktemp("minimax-images"))
+
+
+@pytest.fixture(scope="module")
+def workers(folder):
+    encode = WorkerProcess("encode", "--model-path", folder, command=SGLANG_LAUNCH)
+    try:
+        language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url,
+                                 "--skip-server-warmup", "--embedding-default-allocate-buffer-size",
+                                 str(FIRST_ALLOCATION), command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
+    except BaseException:
+        encode.stop()
+        raise
+    yield encode, language
+    language.stop()
+    encode.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    import torch
+    from sglang.srt.multimodal.processors.minimax_m3_vl import DEFAULT_IMAGE_LONG_SIDE, _resize_image_to_long_side
+    from transformers import AutoProcessor, MiniMaxM3SparseForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(folder)
+    model = MiniMaxM3SparseForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    factor = processor.image_processor.patch_size * processor.image_processor.merge_size
+
+    def greedy(paths: list[str]) -> Greedy:
+        pictures = [_resize_image_to_long_side(Image.open(p).convert("RGB"), factor, DEFAULT_IMAGE_LONG_SIDE)
+                    for p in paths]
+        inputs = processor(text=[prompt(len(paths))], images=pictures, do_resize=False, return_tensors="pt")
+        return greedy_generate(model, inputs, NEW_TOKENS)
+
+    return greedy
+
+
+def generate(language: WorkerProcess, paths: list[str], rid: str) -> dict:
+    body = {"rid": rid, "text": prompt(len(paths)), "image_data": paths,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+    answer = requests.post(f"{language.url}/generate", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_the_encode_worker_runs_sglangs_encoder_for_minimax(workers) -> None:
+    encode, _ = workers
+    assert "encoder=sglang:minimax_m3_vl" in encode.ready_line, encode.ready_line
+    assert requests.get(f"{encode.url}/health", timeout=10).json()["modalities"] == ["image"]
+
+
+@pytest.mark.parametrize("size", [*SIZES, "other"])
+def test_greedy_ids_equal_monolithic(workers, images, reference, size) -> None:
+    """448x448 and 640x336 (resized to 644x336 by the model's rule) in the first allocation;
+    1920x1080 and 3840x2160 (its long side to 2016) in resume rounds."""
+    _, language = workers
+    body = generate(language, [images[size]], f"minimax-{size}")
+    assert greedy_mismatch(body["output_ids"], reference([images[size]])) is None
+    assert body["meta_info"]["resume_rounds"] == (1 if size in ("1920x1080", "3840x2160") else 0), body["meta_info"]
+
+
+def test_two_images_in_one_prompt_equal_monolithic(workers, images, reference) -> None:
+    _, language = workers
+    body = generate(language, [images["other"], images["448x448"]], "minimax-two")
+    assert greedy_mismatch(body["output_ids"], reference([images["other"], images["448x448"]])) is None
+
+
+def test_an_openai_chat_is_generates_answer(workers, images, folder) -> None:
+    """The ``openai`` client's image_url part through the checkpoint's chat template."""
+    from openai import OpenAI
+
+    _, language = workers
+    data = "data:image/png;base64," + base64.b64encode(Path(images["448x448"]).read_bytes()).decode()
+    chat = OpenAI(base_url=f"{language.url}/v1", api_key="unused").chat.completions.create(
+        model=folder, max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data}},
+                                               {"type": "text", "text": "Describe it."}]}])
+    assert chat.choices[0].message.content == generate(language, [images["448x448"]], "minimax-chat")["text"]
+
+
+def test_the_reference_depends_on_the_picture(reference, images) -> None:
+    """Else the equality checks above would pass for any embedding."""
+    assert reference([images["448x448"]]).ids != reference([images["other"]]).ids
+
+
+def test_token_counts_before_encoding_are_the_encoders(folder) -> None:
+    """In this process: the model's own resize rule, as the worker applies it to the header,
+    gives the token count SGLang's encoder makes (kept, enlarged, shrunk, extreme sizes)."""
+    from embedding_side.sglang_encoder import SGLangEncoder
+
+    encoder = SGLangEncoder(standalone_server_args(argparse.Namespace(model_path=folder, host="127.0.0.1",
+                                                                      device="cpu")))
+    for width, height in [(392, 280), (640, 336), (33, 33), (57, 1000), (1920, 1080), (3840, 2160), (4000, 100)]:
+        picture = make_image(width, height, seed=1)
+        encoded = encoder.encode([picture])
+        (t, h, w), = encoded.grid_thw
+        assert tokens_for(picture, encoder) == encoded.embeddings.shape[0] == t * h * w // 4, (width, height)
