@@ -65,11 +65,12 @@ _PASSED_ON = {FailureKind.BAD_REQUEST, FailureKind.TOO_LARGE, FailureKind.OVERLO
 
 
 class TransferFailure(RuntimeError):
-    """A room or request that ended in failure; ``kind`` says why, the message names the peer."""
+    """A room or request that ended in failure; ``kind`` says why, the message names the peer;
+    ``by_peer``: the other side failed the room (its kind passed on), not this one."""
 
-    def __init__(self, kind: FailureKind, message: str) -> None:
+    def __init__(self, kind: FailureKind, message: str, by_peer: bool = False) -> None:
         super().__init__(message)
-        self.kind = kind
+        self.kind, self.by_peer = kind, by_peer
 
 
 def wire_reason(kind: FailureKind, message: str) -> str:

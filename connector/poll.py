@@ -45,6 +45,7 @@ class RoomState:
         self._progress = Progress(status)
         self._kind: FailureKind | None = None
         self._reason = ""
+        self._by_peer = False
 
     @property
     def progress(self) -> Progress:
@@ -76,15 +77,15 @@ class RoomState:
             self._progress = new
             return True
 
-    def fail(self, kind: FailureKind, reason: str) -> bool:
-        """Mark the room ``Failed``; False if it already was."""
+    def fail(self, kind: FailureKind, reason: str, by_peer: bool = False) -> bool:
+        """Mark the room ``Failed`` (``by_peer``: the other side said so); False if it already was."""
         with self._lock:
             if self._progress.status == KVPoll.Failed:
                 return False
             self._progress = Progress(KVPoll.Failed, self._progress.sent_tokens)
-            self._kind, self._reason = kind, reason
+            self._kind, self._reason, self._by_peer = kind, reason, by_peer
             return True
 
     def failure(self, room: int) -> TransferFailure:
         assert self._kind is not None
-        return TransferFailure(self._kind, f"room {room}: {self._kind.value}: {self._reason}")
+        return TransferFailure(self._kind, f"room {room}: {self._kind.value}: {self._reason}", self._by_peer)

@@ -494,7 +494,7 @@ class ReceiverRoom:
         if ev.status == KVPoll.Failed:  # the encoder stopped writing: the blocks are safe to free
             if self.state.status != KVPoll.Failed:
                 kind, text = parse_wire_reason(ev.reason)
-                self.state.fail(kind, f"{self.peer_name} failed the room: {text}")
+                self.state.fail(kind, f"{self.peer_name} failed the room: {text}", by_peer=True)
             self._close(out)
             return
         if self.phase == R.ABORTING and not self.extended:  # the fork's last write landed

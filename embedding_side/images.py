@@ -45,6 +45,8 @@ DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_PIXELS = 40_000_000  # 4.8 times a 4K frame; a decoded RGB image of it is 120 MB
 DEFAULT_DECODE_BYTES = 4 << 30  # about seven 4K frames decoded and preprocessed at once
 DEFAULT_MAX_VIDEO_FRAMES = 36_000  # frames in a video's container: 20 minutes at 30 fps
+# all the frames of a video: 4,000 of 1920x1080, about 25 s of decoding on one core here
+DEFAULT_MAX_VIDEO_PIXELS = 1 << 33
 MAX_REDIRECTS = 5
 # Pillow's own bomb guard stays as a second line behind ``max_pixels``.
 Image.MAX_IMAGE_PIXELS = 20_000 * 20_000
@@ -67,6 +69,7 @@ class MediaPolicy:
     max_images: int = 16  # per request
     decode_bytes: int = DEFAULT_DECODE_BYTES  # host memory for decoding and preprocessing, all requests
     max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES  # per video, counted in its container
+    max_video_pixels: int = DEFAULT_MAX_VIDEO_PIXELS  # per video: frames x width x height
 
     @classmethod
     def create(cls, local_dirs: list[str] | tuple[str, ...] = (), domains: list[str] | None = None,

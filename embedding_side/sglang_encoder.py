@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 import tempfile
 import threading
 import uuid
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 # the role SGLang's runtime context is published under for its encoder
 ENCODER_ROLE = "encoder"
+LOAD_ERROR = "Error while loading data "  # how SGLang's preprocessor words a load failure
 
 
 class SGLangEncoder:
@@ -130,6 +132,7 @@ class SGLangEncoder:
         total = config.get("total_pixels", qwen_vl.VIDEO_TOTAL_PIXELS)
         high = max(min(config.get("max_pixels", qwen_vl.VIDEO_MAX_PIXELS), total / frames * qwen_vl.FRAME_FACTOR),
                    int(low * 1.05))
+        high = min(config.get("max_pixels", high), high)
         if "resized_height" in config and "resized_width" in config:
             height, width = qwen_vl.smart_resize(config["resized_height"], config["resized_width"],
                                                  factor=qwen_vl.IMAGE_FACTOR)
@@ -170,16 +173,29 @@ class SGLangEncoder:
         try:
             _, tokens, width, error, status = await self.scheduler.submit(request)
             if error is not None:
-                kind = FailureKind.BAD_REQUEST if status == 400 else FailureKind.INTERNAL
-                raise TransferFailure(kind, f"SGLang's encoder: {error}")
+                # a video whose frames do not decode is the input's fault, wherever SGLang found it
+                about_input = status == 400 or modality == "VIDEO" and "decod" in str(error).lower()
+                raise TransferFailure(FailureKind.BAD_REQUEST if about_input else FailureKind.INTERNAL,
+                                      f"SGLang's encoder: {_scrubbed(str(error))}")
             staged = self.encoder.req_states[rid].embedding_data
             if width != self.hidden_size or staged.embedding.shape[0] != tokens:
-                raise TransferFailure(FailureKind.INTERNAL, f"SGLang's encoder returned {tokens}x{width}, "
-                                                            f"expected width {self.hidden_size}")
+                raise TransferFailure(FailureKind.INTERNAL, f"SGLang's encoder returned {tokens}x{width} in a "
+                                                            f"{list(staged.embedding.shape)} embedding, expected "
+                                                            f"width {self.hidden_size}")
             grids = [tuple(int(x) for x in row) for row in staged.grid_dim.tolist()]
             return staged.embedding, grids, _video_extras(staged)
         finally:
             await self.encoder.release_request(rid)
+
+
+def _scrubbed(error: str) -> str:
+    """SGLang's error without the input it repeats (a load error quotes the whole item: a
+    video's bytes) or the temporary file it decoded from, at most 500 characters."""
+    head, quoted, rest = error.partition(LOAD_ERROR)
+    if quoted:  # "... Error while loading data <the item's repr>: <why>": keep the why
+        end_of_item = max(rest.rfind("': "), rest.rfind('": '))
+        error = f"{head}could not load the input: {rest[end_of_item + 3:] if end_of_item >= 0 else ''}"
+    return re.sub(re.escape(tempfile.gettempdir()) + r"/\S+", "<temporary file>", error)[:500]
 
 
 def _video_extras(staged) -> dict:
@@ -232,7 +248,7 @@ def _resize_rule(model_type: str, factor: int, low: int, high: int, max_pixels: 
     if model_type == "minimax_m3_vl":
         from sglang.srt.multimodal.processors import minimax_m3_vl, qwen_vl
 
-        if max_pixels:
+        if max_pixels is not None:
             return lambda h, w: qwen_vl.smart_resize(h, w, factor=factor, max_pixels=max_pixels)
         return lambda h, w: minimax_m3_vl._compute_aligned_size(h, w, factor, minimax_m3_vl.DEFAULT_IMAGE_LONG_SIDE)
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize

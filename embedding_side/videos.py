@@ -1,8 +1,13 @@
 """Video inputs: the sources and byte, time and pixel limits of images (:class:`MediaPolicy`), in an
-MP4/QuickTime, WebM/Matroska or AVI container. The frame size comes from the container's codec
+MP4/QuickTime, WebM/Matroska or AVI container with one video stream (the decoder picks the "best"
+of several, which need not be the one checked). The frame size comes from the container's codec
 parameters (PyAV: no frame converted, checked against ``--max-image-pixels`` first), the frame
 count and rate from the decoder SGLang's encoder uses (``sglang.srt.utils.video_decoder``:
 torchcodec where it imports, else decord), so that they are the ones it samples from.
+
+Decoding a sampled frame decodes every frame from the keyframe before it, so the work a clip can
+cost is bounded by all its frames: at most ``--max-video-frames`` of them, and at most
+``--max-video-pixels`` pixels in all (frames x width x height).
 
 What is read before anything is decoded (frame count, frame rate, frame size) is what the encoder
 needs to know the embedding's token count and the memory its decoding takes; the frames themselves
@@ -78,6 +83,10 @@ def open_video(ref: str, policy: MediaPolicy) -> VideoClip:
     if frames > policy.max_video_frames:
         raise ImageInputError(f"{describe(ref)}: {frames} frames, over the {policy.max_video_frames}-frame limit "
                               f"(--max-video-frames)")
+    if frames * width * height > policy.max_video_pixels:
+        raise ImageInputError(f"{describe(ref)}: {frames} frames of {width}x{height} are "
+                              f"{frames * width * height} pixels, over the {policy.max_video_pixels}-pixel limit "
+                              f"(--max-video-pixels)")
     return VideoClip(ref, data, frames, fps, height, width)
 
 
@@ -87,8 +96,9 @@ def _frame_size(ref: str, data: bytes) -> tuple[int, int]:
 
     try:
         with av.open(io.BytesIO(data), mode="r") as media:
-            if not media.streams.video:
-                raise ImageInputError(f"{describe(ref)}: the container holds no video stream")
+            if len(media.streams.video) != 1:
+                raise ImageInputError(f"{describe(ref)}: the container holds {len(media.streams.video)} video "
+                                      f"streams; one is taken")
             codec = media.streams.video[0].codec_context
             height, width = int(codec.height), int(codec.width)
     except av.FFmpegError as exc:

@@ -258,8 +258,11 @@ class EncodeWorker:
                 release()
         embedding, grids, extras = encoded
         if embedding.num_tokens != tokens:  # the staging reserved above was for the tokens foreseen
-            raise TransferFailure(FailureKind.INTERNAL, f"the encoder made {embedding.num_tokens} tokens of these "
-                                                        f"{modality}s where their headers gave {tokens}")
+            # a video whose frames are not what its header says is the input's fault; an image's
+            # size comes from the pixels decoded, so there it would be this worker's
+            raise TransferFailure(FailureKind.BAD_REQUEST if modality == "video" else FailureKind.INTERNAL,
+                                  f"the encoder made {embedding.num_tokens} tokens of these {modality}s where their "
+                                  f"headers gave {tokens}")
         encoded_at = time.monotonic()  # decode, preprocess and forward pass
         sender.send(embedding)
         log.info("rid=%s room=%d: %d %ss -> %d tokens", rid, sender.room, len(refs), modality, embedding.num_tokens)

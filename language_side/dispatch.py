@@ -51,6 +51,8 @@ ENCODER_MAX_IMAGES = 16  # images per /encode an encoder takes until its /health
 FIRST_ESTIMATE = 1024  # image tokens assumed for an image before any encoder has answered
 ABOUT_THE_IMAGES = frozenset({FailureKind.BAD_REQUEST, FailureKind.TOO_LARGE})
 REFUSAL_GRACE_S = 2.0  # how long a room failed for its images waits for the encoder's own refusal
+# an encoder's refusals for capacity: another encoder may take the part
+BUSY = frozenset({FailureKind.OVERLOADED, FailureKind.ASLEEP, FailureKind.SHUTTING_DOWN})
 # failures of this worker's own side: another encoder would not help
 OUR_SIDE = frozenset({FailureKind.CANCELLED, FailureKind.ASLEEP, FailureKind.SHUTTING_DOWN, FailureKind.OVERLOADED,
                       FailureKind.CONFLICT, FailureKind.BAD_REQUEST, FailureKind.TOO_LARGE})
@@ -243,6 +245,9 @@ class EncoderDispatch:
                 self.tokens_per_image = max(1, result.meta["num_tokens"] // len(images))
             result.meta |= {"attempts": attempt, "encoder": enc.url}
             return result
+        if not tried and all(e.modalities is not None and modality not in e.modalities for e in self.encoders):
+            raise ImageRefused(400, f"none of this language server's encoders takes {modality}s (their /health "
+                                    f"lists {sorted({m for e in self.encoders for m in e.modalities or ()})})")
         # Never twice on one encoder: what failed a part there (dead, frozen, busy, refusing this
         # worker's rooms) would most likely fail it again, at the cost of another detection.
         others = len(self.encoders) - len(tried)
@@ -326,10 +331,13 @@ class EncoderDispatch:
 
     @staticmethod
     async def _received(enc: Encoder, receiving: asyncio.Future) -> dict:
-        """The part's transfer; the encoder's failures as :class:`_EncoderFault`, ours as they are."""
+        """The part's transfer; the encoder's failures (its refusals for being busy or asleep
+        among them) as :class:`_EncoderFault`, ours as they are."""
         try:
             return await receiving
         except TransferFailure as exc:
+            if exc.by_peer and exc.kind in BUSY:  # the encoder's refusal, not this worker's: another may take it
+                raise _EncoderFault(f"encoder {enc.url}: {exc}", busy=True) from None
             if exc.kind in OUR_SIDE:
                 raise
             raise _EncoderFault(f"encoder {enc.url}: {exc}") from None
@@ -366,6 +374,8 @@ def video_layout(encoded: dict, rows: int, videos: int) -> tuple[list[tuple[int,
             extras["second_per_grid_ts"] = [float(s) for s in encoded["second_per_grid_ts"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise PromptError(f"the answer has no usable video grids or metadata ({type(exc).__name__})") from None
+    if any(min(grid) <= 0 or grid[1] % MERGE or grid[2] % MERGE for grid in grids):
+        raise PromptError(f"video grids {grids} are not grids of {MERGE}x{MERGE} merged patches")
     if len(grids) != videos or sum(t * h * w for t, h, w in grids) != rows * MERGE * MERGE or any(
             len(values) != videos for values in extras.values()):
         raise PromptError(f"video grids {grids} and metadata {sorted(extras)} do not describe {rows} rows of "

@@ -20,6 +20,7 @@ from embedding_side.images import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_PIXELS,
     DEFAULT_MAX_VIDEO_FRAMES,
+    DEFAULT_MAX_VIDEO_PIXELS,
     DEFAULT_TIMEOUT_S,
 )
 
@@ -135,8 +136,9 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                         "first; a 4K image's embedding is 75 MB at hidden 3584; 0 turns it off (default "
                         "%(default)s = 1 GiB)")
     e.add_argument("--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES, metavar="N",
-                   help="language side (SGLang's server): a request with more images gets 400 before any encoder is "
-                        "asked (SGLang's --limit-mm-data-per-request, which wins if given) (default %(default)s)")
+                   help="language side (SGLang's server): a request with more images, or more videos, gets 400 before "
+                        "any encoder is asked (SGLang's --limit-mm-data-per-request, which wins if given) (default "
+                        "%(default)s)")
     e.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                    help="language side (SGLang's server): a request body over this gets 413, from its Content-Length "
                         "before it is read, or as soon as a streamed body passes it (default %(default)s = "
@@ -181,6 +183,10 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
     m.add_argument("--max-video-frames", type=int, default=DEFAULT_MAX_VIDEO_FRAMES,
                    help="per video, counted in its container before any is decoded (the encoder samples at most "
                         "768 of them, at 2 per second by default) (default %(default)s)")
+    m.add_argument("--max-video-pixels", type=int, default=DEFAULT_MAX_VIDEO_PIXELS,
+                   help="per video, all its frames' pixels (frames x width x height): what decoding the frames "
+                        "sampled can cost, as each decodes the frames from the keyframe before it (default "
+                        "%(default)s: 4,000 frames of 1920x1080)")
     m.add_argument("--image-fetch-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds for the whole fetch of an http(s) image, redirects and body included "
                         "(default %(default)s)")

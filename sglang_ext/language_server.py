@@ -239,7 +239,8 @@ def _start_receiver(ours: argparse.Namespace, manager):
     worker = LanguageWorker(config, checkpoint_dir=ours.checkpoint_dir, consumer=EmbeddingCopy(),
                             queue_while_sleeping=ours.queue_while_sleeping)
     dispatch = EncoderDispatch(ours.encoder_urls or [], worker, EmbeddingCache(ours.image_embedding_cache_bytes))
-    receiver = ResumableReceiver(dispatch, manager.model_config.dtype, keep_inputs=bool(ours.checkpoint_dir))
+    receiver = ResumableReceiver(dispatch, manager.model_config.dtype, keep_inputs=bool(ours.checkpoint_dir),
+                                 limits=manager.server_args.limit_mm_data_per_request or {})
     from_disk = starts_asleep(ours)
     if from_disk and not worker.is_sleeping():  # SGLang's generations wait for a wake-up, like the connector's
         worker.sleep(1, True)

@@ -36,6 +36,12 @@ TRANSFER_META = ("resume_rounds", "transfer_ms", "encode_ms", "encoder_wait_ms",
                  "cached_images")
 
 
+# what an image or video item may carry besides its source (read or ignored), and the
+# preprocessing options SGLang's items may set, which the encoders are not told
+ITEM_FIELDS = ("url", "type", "detail", "content_hash")
+ITEM_OPTIONS = ("max_long_side_pixel", "max_dynamic_patch", "preprocess_kwargs")
+
+
 class EmbeddingUnavailable(ValueError):
     """A request's images could not be embedded; ``status_code`` is the HTTP status SGLang answers."""
 
@@ -59,11 +65,22 @@ def media_sources(data: Any, kind: str = "image") -> list[str]:
         if item is None:
             continue
         url = item.get("url") if isinstance(item, dict) else getattr(item, "url", item)
+        if options := _item_options(item):
+            raise EmbeddingUnavailable(400, f"per-{kind} options {sorted(options)} are not passed on to the encoders "
+                                            f"(each {kind} is resized and sampled by the encoder's defaults)")
         if not isinstance(url, str) or not url:
             raise EmbeddingUnavailable(400, f"each {kind} must be given by a string (path, URL or data: URI), "
                                             f"not {type(url).__name__}")
         sources.append(url)
     return sources
+
+
+def _item_options(item: Any) -> set[str]:
+    """The names of the per-item preprocessing options an image or video item sets (SGLang's
+    ``max_long_side_pixel``, ``max_dynamic_patch``, ``preprocess_kwargs`` such as a video's fps)."""
+    if isinstance(item, dict):
+        return {key for key, value in item.items() if key not in ITEM_FIELDS and value is not None}
+    return {name for name in ITEM_OPTIONS if getattr(item, name, None)}
 
 
 async def _none() -> None:
@@ -86,10 +103,14 @@ def _joined_meta(metas: list[dict]) -> dict:
 class ResumableReceiver:
     """What SGLang's tokenizer manager calls ``mm_receiver`` (see the module docstring)."""
 
-    def __init__(self, dispatch: EncoderDispatch, dtype: torch.dtype, keep_inputs: bool = False) -> None:
+    def __init__(self, dispatch: EncoderDispatch, dtype: torch.dtype, keep_inputs: bool = False,
+                 limits: dict[str, int] | None = None) -> None:
         """``keep_inputs``: hold each request's image rows until it ends, for a disk checkpoint
-        (``--checkpoint-dir``); without one nothing is held past ``recv_mm_data``."""
+        (``--checkpoint-dir``); without one nothing is held past ``recv_mm_data``. ``limits``:
+        SGLang's ``--limit-mm-data-per-request`` ("image", "video": items per request), counted
+        again here after nested lists are flattened (SGLang counts the outer list)."""
         self.dispatch, self.dtype, self.keep_inputs = dispatch, dtype, keep_inputs
+        self.limits = limits or {}
         self._embedding: dict[str, asyncio.Task] = {}  # rid -> its images at the encoders
         # Until its request ends (see annotated), by rid: TRANSFER_META of its images, and their rows
         # (uint8, bf16 bits) and grids, which a disk checkpoint keeps of a generation
@@ -101,6 +122,10 @@ class ResumableReceiver:
         if request_obj.audio_data:
             raise EmbeddingUnavailable(400, "this language worker's encoders take images and videos, not audio")
         images, videos = media_sources(request_obj.image_data), media_sources(request_obj.video_data, "video")
+        for kind, sources in (("image", images), ("video", videos)):
+            if len(sources) > self.limits.get(kind, len(sources)):
+                raise EmbeddingUnavailable(400, f"{len(sources)} {kind}s in one request, over the limit of "
+                                                f"{self.limits[kind]} (--limit-mm-data-per-request)")
         if not (images or videos) or not need_wait_for_mm_inputs:
             return None
         rid = str(request_obj.rid)
@@ -140,10 +165,18 @@ class ResumableReceiver:
         return torch.from_numpy(np.ascontiguousarray(rows)).view(torch.bfloat16).to(self.dtype)
 
     async def _embed(self, rid: str, images: list[str], videos: list[str]) -> tuple[Embedded | None, Embedded | None]:
-        """The request's images and videos, at the encoders at once."""
+        """The request's images and videos, at the encoders at once; when one fails (or the
+        request is aborted) the other is cancelled and waited for, its rooms ended."""
         async def both():
-            return await asyncio.gather(self.dispatch.embed(rid, images) if images else _none(),
-                                        self.dispatch.embed_videos(rid, videos) if videos else _none())
+            halves = [asyncio.ensure_future(self.dispatch.embed(rid, images) if images else _none()),
+                      asyncio.ensure_future(self.dispatch.embed_videos(rid, videos) if videos else _none())]
+            try:
+                return await asyncio.gather(*halves)
+            except BaseException:
+                for half in halves:
+                    half.cancel()
+                await asyncio.gather(*halves, return_exceptions=True)
+                raise
 
         task = self._embedding[rid] = asyncio.ensure_future(both())
         try:

@@ -26,7 +26,7 @@ from transfer_large_image import make_image
 from workers import WorkerProcess
 
 from connector.failures import FailureKind, TransferFailure
-from language_side.dispatch import EncoderDispatch, _EncoderFault
+from language_side.dispatch import Encoder, EncoderDispatch, _EncoderFault
 from language_side.embedding_cache import EmbeddingCache
 
 MESSAGES = [{"role": "system", "content": "Be brief."}]
@@ -248,6 +248,26 @@ def test_a_part_every_encoder_refused_as_busy_is_a_503_not_a_502(monkeypatch, bu
     with pytest.raises(TransferFailure) as failure:
         asyncio.run(dispatch._part("rid", 0, ["image.png"]))
     assert failure.value.kind == kind and "the encode worker is asleep" in str(failure.value)
+
+
+@pytest.mark.fast
+def test_an_encoders_busy_refusal_through_the_room_goes_to_another_encoder_ours_does_not() -> None:
+    """An encoder asleep or over its queue may tell the language side by failing the room before
+    its /encode answers 503: that part goes to another encoder (busy). This worker's own refusal
+    of the same kind is the client's answer as it is."""
+    encoder = Encoder("http://127.0.0.1:9000", "127.0.0.1")
+
+    async def received(failure: TransferFailure):
+        done = asyncio.get_running_loop().create_future()
+        done.set_exception(failure)
+        return await EncoderDispatch._received(encoder, done)
+
+    with pytest.raises(_EncoderFault) as theirs:
+        asyncio.run(received(TransferFailure(FailureKind.ASLEEP, "the encode worker is asleep", by_peer=True)))
+    assert theirs.value.busy
+    with pytest.raises(TransferFailure) as ours:
+        asyncio.run(received(TransferFailure(FailureKind.ASLEEP, "this worker is asleep")))
+    assert ours.value.kind == FailureKind.ASLEEP
 
 
 def test_three_encoders_two_language_workers_32_chats_one_encoder_killed_halfway(folder, images) -> None:  # noqa: F811

@@ -132,7 +132,8 @@ def test_a_video_equals_monolithic(workers, clips, reference, clip) -> None:
     _, language = workers
     body = generate_videos(language, [clips[clip]], f"qwen3-video-{clip}")
     assert greedy_mismatch(body["output_ids"], reference([], [clips[clip]])) is None
-    assert body["meta_info"]["video_tokens"] == 4 * {"392x280x8": 18 * 24, "448x252x120": 16 * 28}[clip] // 4
+    # 4 temporal patches of 2 frames, each (h/2) x (w/2) tokens of Qwen3-VL's 16 px patches
+    assert body["meta_info"]["video_tokens"] == {"392x280x8": 4 * 9 * 12, "448x252x120": 4 * 8 * 14}[clip]
 
 
 def test_an_image_and_a_video_in_one_prompt_equal_monolithic(workers, images, clips, reference) -> None:

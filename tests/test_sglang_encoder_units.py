@@ -5,6 +5,7 @@ ones it produces, batching and sleep change nothing, and what it cannot serve is
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -14,6 +15,7 @@ from make_checkpoint import write_qwen3_vl_checkpoint
 from PIL import Image
 from transfer_large_image import make_image
 
+from connector.failures import FailureKind, TransferFailure
 from embedding_side.encoders import tokens_for
 from embedding_side.images import MediaPolicy
 from embedding_side.videos import open_video
@@ -88,6 +90,27 @@ def test_video_token_counts_before_encoding_are_the_encoders(encoder, tmp_path) 
     with pytest.raises(ValueError, match="nframes"):  # one frame: too short to sample
         with mock.patch.dict(sglang_stack.CLIPS, {"one": (392, 280, 1, 2)}, clear=True):
             encoder.video_sampling(open_video(sglang_stack.write_clips(tmp_path)["one"], media))
+
+
+def test_a_video_max_pixels_setting_is_followed_by_the_count(encoder, tmp_path, monkeypatch) -> None:
+    """``--mm-process-config``'s video ``max_pixels`` caps SGLang's first resize: the count
+    from the header follows it (read per request by both)."""
+    path = sglang_stack.write_clips(tmp_path)["392x280x8"]
+    clip = open_video(path, MediaPolicy.create([str(tmp_path)]))
+    monkeypatch.setitem(encoder.encoder.preprocessor.vision_config, "video", {"max_pixels": 50_000})
+    sampling = encoder.video_sampling(clip)
+    assert sampling.height * sampling.width <= 50_000
+    assert sampling.tokens == encoder.encode_videos([clip.data]).embeddings.shape[0]
+
+
+def test_a_video_that_does_not_decode_is_the_clients_error_without_its_bytes(encoder, tmp_path) -> None:
+    data = bytearray(Path(sglang_stack.write_clips(tmp_path)["392x280x8"]).read_bytes())
+    start = data.find(b"mdat") + 104  # the frames zeroed after their first bytes: the header still reads
+    data[start:] = bytes(len(data) - start)
+    with pytest.raises(TransferFailure) as refused:
+        encoder.encode_videos([bytes(data)])
+    assert refused.value.kind == FailureKind.BAD_REQUEST and "Could not decode video" in str(refused.value)
+    assert len(str(refused.value)) <= 500 and "\\x00" not in str(refused.value), str(refused.value)
 
 
 def test_a_batch_and_a_sleep_change_no_row(encoder) -> None:

@@ -164,7 +164,7 @@ def test_videos_equal_monolithic(workers, clips, video_reference) -> None:
         assert greedy_mismatch(body["output_ids"], video_reference([clip])) is None, name
     both = generate_videos(language, list(clips.values()), "two-videos")
     assert greedy_mismatch(both["output_ids"], video_reference(list(clips.values()))) is None
-    assert both["meta_info"]["video_tokens"] == 4 * (20 * 28 + 18 * 32) // 4, both["meta_info"]
+    assert both["meta_info"]["video_tokens"] == 4 * (10 * 14 + 9 * 16), both["meta_info"]
     assert video_reference([clips["392x280x8"]]).ids != video_reference([clips["448x252x120"]]).ids
 
 

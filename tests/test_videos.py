@@ -6,8 +6,10 @@ places the rows."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -16,8 +18,10 @@ from workers import InProcessWorker
 
 from embedding_side.images import ImageInputError, MediaPolicy
 from embedding_side.videos import container, open_video
-from language_side.dispatch import video_layout
+from language_side.dispatch import EncoderDispatch, ImageRefused, video_layout
+from language_side.embedding_cache import EmbeddingCache
 from language_side.prompt import PromptError
+from sglang_ext.mm_receiver import EmbeddingUnavailable, ResumableReceiver, media_sources
 
 pytestmark = pytest.mark.fast
 
@@ -47,6 +51,7 @@ def test_limits_and_bad_input_are_refused_with_what_was_wrong(clips, tmp_path) -
         (path, policy(str(tmp_path)), "only read inside --allowed-local-media-path"),
         (path, policy(root, max_video_frames=7), "8 frames, over the 7-frame limit"),
         (path, policy(root, max_pixels=392 * 279), "frames of 392x280 are 109760 pixels, over the"),
+        (path, policy(root, max_video_pixels=8 * 392 * 280 - 1), "8 frames of 392x280 are 878080 pixels, over"),
         (path, policy(root, max_bytes=100), "larger than the 100-byte limit"),
         ("data:video/mp4,raw", MediaPolicy(), "must be data:video/...;base64"),
     ]
@@ -56,9 +61,28 @@ def test_limits_and_bad_input_are_refused_with_what_was_wrong(clips, tmp_path) -
     truncated = tmp_path / "truncated.mp4"
     truncated.write_bytes(Path(path).read_bytes()[:200])
     cases.append((str(truncated), policy(str(tmp_path)), "not a decodable video"))
+    two = tmp_path / "two-streams.mp4"  # the decoder would pick the larger stream, not the one checked
+    _two_streams(two)
+    cases.append((str(two), policy(str(tmp_path)), "holds 2 video streams; one is taken"))
     for ref, limits, message in cases:
         with pytest.raises(ImageInputError, match=message.replace(".", r"\.").replace("(", r"\(")):
             open_video(ref, limits)
+
+
+def _two_streams(path: Path) -> None:
+    import av
+    import numpy as np
+
+    with av.open(str(path), "w", format="mp4") as media:
+        streams = [media.add_stream("mpeg4", rate=2) for _ in range(2)]
+        for stream, (width, height) in zip(streams, [(64, 48), (1280, 720)], strict=True):
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for _ in range(4):
+            for stream in streams:
+                pixels = np.zeros((stream.height, stream.width, 3), np.uint8)
+                media.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        for stream in streams:
+            media.mux(stream.encode())
 
 
 def test_containers_are_told_by_their_first_bytes() -> None:
@@ -88,7 +112,60 @@ def test_the_language_side_checks_a_video_answer_before_placing_its_rows() -> No
     assert video_layout({"grid_thw": [[4, 20, 28]], "second_per_grid_ts": [1]}, 560, 1)[1] == {
         "second_per_grid_ts": [1.0]}
     for bad, rows, videos in ((answer, 431, 1), (answer, 432, 2), ({"grid_thw": [[4, 18]]}, 432, 1),
+                              ({"grid_thw": [[4, 17, 24]]}, 408, 1), ({"grid_thw": [[-4, 18, 24]]}, -432, 1),
                               ({**answer, "video_timestamps": [[0.25]]}, 432, 1),
                               ({**answer, "video_timestamps": [["soon"] * 4]}, 432, 1), ({}, 432, 1)):
         with pytest.raises(PromptError):
             video_layout(bad, rows, videos)
+
+
+def test_per_item_options_and_nested_lists_are_refused_not_dropped() -> None:
+    """An option the encoders would not be told (MiniMax's ``max_long_side_pixel``, a video's
+    fps) is a 400, not silently ignored; nested lists are counted flat against the limit."""
+    from sglang.srt.utils import ImageData, VideoData
+
+    assert media_sources([ImageData(url="a.png", detail="auto"), {"url": "b.png", "type": "image_url"}]) == [
+        "a.png", "b.png"]
+    for data, kind in (([ImageData(url="a.png", max_long_side_pixel=448)], "image"),
+                       ([{"url": "a.png", "max_dynamic_patch": 6}], "image"),
+                       ([VideoData(url="v.mp4", preprocess_kwargs={"fps": 1.0})], "video")):
+        with pytest.raises(EmbeddingUnavailable, match=f"per-{kind} options") as refused:
+            media_sources(data, kind)
+        assert refused.value.status_code == 400
+    receiver = ResumableReceiver(None, None, limits={"image": 2, "video": 1})
+    request = SimpleNamespace(rid="r", audio_data=None, image_data=[["a.png", "b.png", "c.png"]], video_data=None)
+    with pytest.raises(EmbeddingUnavailable, match="3 images in one request, over the limit of 2"):
+        asyncio.run(receiver.recv_mm_data(request, None, "prompt"))
+
+
+def test_when_the_images_fail_the_videos_of_the_request_are_cancelled() -> None:
+    """One request's images and videos go to the encoders at once: the first failure cancels
+    the other half (its rooms end), and the request's answer is that failure."""
+    cancelled = []
+
+    class Dispatch:
+        async def embed(self, rid, images):
+            await asyncio.sleep(0.05)
+            raise ImageRefused(400, "encoder refused the image")
+
+        async def embed_videos(self, rid, videos):
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append(rid)
+                raise
+
+    receiver = ResumableReceiver(Dispatch(), None)
+    request = SimpleNamespace(rid="both", audio_data=None, image_data=["a.png"], video_data=["v.mp4"])
+    with pytest.raises(EmbeddingUnavailable, match="encoder refused the image"):
+        asyncio.run(asyncio.wait_for(receiver.recv_mm_data(request, None, "prompt"), 10))
+    assert cancelled == ["both"] and not receiver._embedding
+
+
+def test_a_video_no_encoder_takes_is_a_400_before_any_is_asked() -> None:
+    dispatch = EncoderDispatch(["http://127.0.0.1:9000", "http://127.0.0.1:9001"], None, EmbeddingCache(0))
+    for encoder in dispatch.encoders:
+        encoder.modalities = ("image",)
+    with pytest.raises(ImageRefused, match=r"none of this language server's encoders takes videos") as refused:
+        asyncio.run(dispatch._part("rid", 0, ["v.mp4"], "video"))
+    assert refused.value.status == 400
