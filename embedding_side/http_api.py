@@ -9,13 +9,14 @@ from worker_infra.http import StrictBody, add_sleep_routes, check_room, errors_a
 
 
 class EncodeIn(StrictBody):
-    """``POST /encode``: images, or videos (an encoder whose /health lists "video" among its
-    modalities); the worker checks them itself (and fails the room if they are bad)."""
+    """``POST /encode``: images, or videos, or audio clips (an encoder whose /health lists that
+    modality); the worker checks them itself (and fails the room if they are bad)."""
 
     rid: str
     bootstrap_room: int
     images: list = []
     videos: list = []
+    audios: list = []
     wait_for_delivery: bool = True
     text: str | None = None  # the prompt, sent along by some routers; not used here
 
@@ -25,7 +26,7 @@ def build_app(worker: EncodeWorker, admin_api_key: str | None = None) -> web.App
         body = await read_body(request, EncodeIn)
         room = check_room(body.bootstrap_room)
         return web.json_response(await worker.encode(body.rid, room, body.images, body.wait_for_delivery,
-                                                    body.videos))
+                                                    body.videos, body.audios))
 
     async def health(_request: web.Request) -> web.Response:
         return web.json_response(worker.health())

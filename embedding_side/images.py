@@ -47,13 +47,14 @@ DEFAULT_DECODE_BYTES = 4 << 30  # about seven 4K frames decoded and preprocessed
 DEFAULT_MAX_VIDEO_FRAMES = 36_000  # frames in a video's container: 20 minutes at 30 fps
 # all the frames of a video: 4,000 of 1920x1080, about 25 s of decoding on one core here
 DEFAULT_MAX_VIDEO_PIXELS = 1 << 33
+DEFAULT_MAX_AUDIO_SECONDS = 30.0  # Qwen2-Audio's window (its encoder takes 3,000 mel frames)
 MAX_REDIRECTS = 5
 # Pillow's own bomb guard stays as a second line behind ``max_pixels``.
 Image.MAX_IMAGE_PIXELS = 20_000 * 20_000
 
 
 class ImageInputError(ValueError):
-    """An image (or video) reference that cannot be loaded; maps to HTTP 400."""
+    """An image (or video, or audio) reference that cannot be loaded; maps to HTTP 400."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class MediaPolicy:
     decode_bytes: int = DEFAULT_DECODE_BYTES  # host memory for decoding and preprocessing, all requests
     max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES  # per video, counted in its container
     max_video_pixels: int = DEFAULT_MAX_VIDEO_PIXELS  # per video: frames x width x height
+    max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS  # per audio clip
 
     @classmethod
     def create(cls, local_dirs: list[str] | tuple[str, ...] = (), domains: list[str] | None = None,

@@ -2,7 +2,8 @@
 
 Each image sits in the prompt as ``<|vision_start|> <|image_pad|> x n <|vision_end|>``; its
 pads get 3-D positions ``(t, h, w)`` on the merged grid, offset by the position after the
-preceding token. The delta is ``max position + 1 - sequence length`` (aux[1]).
+preceding token. The delta is ``max position + 1 - sequence length`` (aux[1]). Audio tokens
+are a sequence: the same position on all three axes, one after another.
 """
 
 from __future__ import annotations
@@ -29,3 +30,10 @@ def image_positions(grids: list[tuple[int, int, int]], merge: int = MERGE,
     mrope = np.concatenate(parts, axis=1)
     fill_ids = np.full(mrope.shape[1], pad_id, np.int32)
     return fill_ids, mrope, next_pos - seq_len
+
+
+def sequence_positions(tokens: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(fill_ids, mrope, delta)`` of ``tokens`` placeholders in a row (audio): positions 1 to
+    ``tokens`` after the start token, the same on every axis, so the delta is 0."""
+    mrope = np.tile(np.arange(1, tokens + 1, dtype=np.int32), (3, 1))
+    return np.full(tokens, pad_id, np.int32), mrope, 0

@@ -18,6 +18,9 @@ family's rule from SGLang's module; the worker checks the result's token count a
 Families whose processor is not of Qwen's kind (patch, merge, pixel bounds) are refused at
 start: their token count cannot be known before encoding yet.
 
+Audio (Qwen2-Audio) goes as the file's bytes too; its token count follows from the header's
+length and rate (the feature extractor's hop and window, the model's output length).
+
 Videos (Qwen families) go to SGLang's encoder as the container's bytes: it decodes them, samples
 frames at its rate (``qwen_vl.smart_nframes``, 2 fps by default), resizes them
 (``qwen_vl.preprocess_video``) and runs the checkpoint's video processor and the model's
@@ -40,6 +43,7 @@ import numpy as np
 from PIL import Image
 
 from connector.failures import FailureKind, TransferFailure
+from embedding_side.audio import AudioClip
 from embedding_side.encoders import EncodedImages, check_shape, settings_fingerprint
 from embedding_side.videos import VideoClip, VideoSampling
 
@@ -64,22 +68,33 @@ class SGLangEncoder:
         self.encoder, self.scheduler = _build_runtime(server_args)
         config = self.encoder.model_config.hf_config
         self.name = f"sglang:{self.encoder.model_type}"
-        self.hidden_size = int(self.encoder._embedding_dims[Modality.IMAGE])
+        dims = self.encoder._embedding_dims
+        self.hidden_size = int(dims.get(Modality.IMAGE) or dims[Modality.AUDIO])
         self.dtype = self.encoder._embedding_dtype
-        processor = self.encoder.preprocessor.image_processor
-        overrides = self.encoder.preprocessor.vision_config.get("image", {})
-        self.patch_size, self.merge_size, low, high = _qwen_geometry(processor, overrides, self.name)
-        self._resize = _resize_rule(self.encoder.model_type, self.patch_size * self.merge_size, low, high,
-                                    overrides.get("max_pixels"))
-        self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
+        preprocessor = self.encoder.preprocessor
+        processor = preprocessor.image_processor
+        if processor is not None:
+            overrides = preprocessor.vision_config.get("image", {})
+            self.patch_size, self.merge_size, low, high = _qwen_geometry(processor, overrides, self.name)
+            self._resize = _resize_rule(self.encoder.model_type, self.patch_size * self.merge_size, low, high,
+                                        overrides.get("max_pixels"))
+            self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
+        else:  # an audio model: no image reaches resize() (the worker refuses them first)
+            self.patch_size = self.merge_size = 1
+            self._resize, self.image_token_id = None, -1
         self.video_token_id = getattr(config, "video_token_id", None)
-        self._video_processor = getattr(self.encoder.preprocessor, "video_processor", None)
+        self._video_processor = getattr(preprocessor, "video_processor", None)
         takes_video = (self._video_processor is not None and self.video_token_id is not None
                        and "qwen" in self.encoder.model_type)
-        self.modalities = ("image", "video") if takes_video else ("image",)
+        self.audio_token_id = getattr(config, "audio_token_index", None) or getattr(config, "audio_token_id", None)
+        self._audio_processor = getattr(preprocessor, "audio_processor", None)
+        takes_audio = (self._audio_processor is not None and self.audio_token_id is not None
+                       and self.encoder.model_type == "qwen2_audio")
+        self.modalities = ("image",) * (processor is not None) + ("video",) * takes_video + ("audio",) * takes_audio
         self.max_batch = self.scheduler.max_batch_size
+        settings = [p.to_dict() for p in (processor, self._audio_processor) if p is not None]
         self._fingerprint = settings_fingerprint({
-            "encoder": self.name, "processor": processor.to_dict(), "mm_process_config": self.encoder.preprocessor.vision_config,
+            "encoder": self.name, "processor": settings, "mm_process_config": preprocessor.vision_config,
             "dtype": str(self.dtype), "model": _model_files(Path(self.model_path))})
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name="sglang-encoder", daemon=True)
@@ -142,6 +157,22 @@ class SGLangEncoder:
         patches = self._video_processor.get_num_of_video_patches(frames, height, width, videos_kwargs={})
         return VideoSampling(frames, height, width, patches // (self.merge_size * self.merge_size))
 
+    def audio_tokens(self, clip: AudioClip) -> int:
+        """The embedding tokens SGLang's encoder makes of ``clip`` (ValueError past the feature
+        extractor's window): its samples at the extractor's rate (resampled to the length
+        ``torchaudio.functional.resample`` gives), one mel frame per hop begun, then the model's
+        own output length (SGLang's ``_get_feat_extract_output_lengths``)."""
+        import torch
+
+        extractor = self._audio_processor.feature_extractor
+        rate = int(extractor.sampling_rate)
+        samples = clip.frames if clip.sample_rate == rate else -(-clip.frames * rate // clip.sample_rate)
+        mel_frames = -(-samples // int(extractor.hop_length))
+        if mel_frames > int(extractor.nb_max_frames):
+            raise ValueError(f"{clip.seconds:.1f} s of audio is past the encoder's "
+                             f"{extractor.nb_max_frames * extractor.hop_length / rate:g} s window")
+        return int(self.encoder.preprocessor._get_feat_extract_output_lengths(torch.tensor(mel_frames)))
+
     def encode(self, images: list[Image.Image]) -> EncodedImages:
         """One request's images through SGLang's scheduler (batched with whatever else is queued
         there); called from a worker thread, it waits for the result."""
@@ -152,6 +183,12 @@ class SGLangEncoder:
         request at a time: it does not fuse videos); ``extras`` has each video's timestamps or
         seconds per temporal patch."""
         return self._wait("VIDEO", list(clips))
+
+    def encode_audios(self, clips: list[bytes]) -> EncodedImages:
+        """One request's audio clips (each a file's bytes) through SGLang's scheduler (batched
+        with others); ``grid_thw`` is each clip's token count, as a 1-tuple, and ``extras`` has
+        their mel frame counts (``audio_feature_lens``, what SGLang's language side takes)."""
+        return self._wait("AUDIO", list(clips))
 
     def _wait(self, modality: str, items: list) -> EncodedImages:
         rid = f"epd-{uuid.uuid4().hex}"
@@ -182,6 +219,12 @@ class SGLangEncoder:
                 raise TransferFailure(FailureKind.INTERNAL, f"SGLang's encoder returned {tokens}x{width} in a "
                                                             f"{list(staged.embedding.shape)} embedding, expected "
                                                             f"width {self.hidden_size}")
+            if modality == "AUDIO":  # staged: each clip's mel frames; its grid here: its token count
+                import torch
+
+                mel_frames = [int(n) for n in staged.grid_dim.reshape(-1).tolist()]
+                counts = self.encoder.preprocessor._get_feat_extract_output_lengths(torch.tensor(mel_frames))
+                return staged.embedding, [(int(n),) for n in counts.tolist()], {"audio_feature_lens": mel_frames}
             grids = [tuple(int(x) for x in row) for row in staged.grid_dim.tolist()]
             return staged.embedding, grids, _video_extras(staged)
         finally:

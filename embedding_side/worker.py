@@ -1,4 +1,4 @@
-"""The encode worker: images (or videos) -> encoder -> host staging -> connector sender -> delivered.
+"""The encode worker: images (or videos, or audio) -> encoder -> host staging -> connector sender -> delivered.
 
 One request (``POST /encode``), each step bounded:
 
@@ -57,9 +57,11 @@ from connector.peer_health import health_status
 from connector.sender import EmbeddingSender, EmbeddingSenderManager, SenderRoomCheckpoint
 from connector.staging import ByteBudget
 from embedding_side import checkpoint
+from embedding_side.audio import AudioClip, open_audio
+from embedding_side.audio import decode_bytes as audio_decode_bytes
 from embedding_side.encoders import VisionEncoder, decode_bytes, tokens_for
 from embedding_side.images import ImageInputError, MediaPolicy, decode_image, is_remote, open_image
-from embedding_side.positions import image_positions
+from embedding_side.positions import image_positions, sequence_positions
 from embedding_side.videos import VideoClip, open_video
 from embedding_side.videos import decode_bytes as video_decode_bytes
 from worker_infra.http import wait_for_future
@@ -122,14 +124,17 @@ class EncodeWorker:
     # ---- one request -----------------------------------------------------------------------------
 
     async def encode(self, rid: str, room: int, image_refs: list, wait_for_delivery: object = True,
-                     video_refs: list | None = None) -> dict:
-        """Encode one request (its images, or its videos) and deliver it; returns the HTTP reply
-        body or raises :class:`TransferFailure` (its kind gives the HTTP status)."""
+                     video_refs: list | None = None, audio_refs: list | None = None) -> dict:
+        """Encode one request (its images, videos or audio clips: one kind) and deliver it;
+        returns the HTTP reply body or raises :class:`TransferFailure` (its kind gives the HTTP
+        status)."""
         start = time.monotonic()
-        modality, refs = ("video", video_refs) if video_refs else ("image", image_refs)
+        given = {kind: refs for kind, refs in (("image", image_refs), ("video", video_refs), ("audio", audio_refs))
+                 if refs}
+        modality, refs = next(iter(given.items()), ("image", image_refs))
         try:
-            if image_refs and video_refs:
-                raise TransferFailure(FailureKind.BAD_REQUEST, "a request carries images or videos, not both")
+            if len(given) > 1:
+                raise TransferFailure(FailureKind.BAD_REQUEST, "a request carries images, videos or audios: one kind")
             if not refs or len(refs) > self.media.max_images:
                 raise TransferFailure(FailureKind.BAD_REQUEST,
                                       f"{modality}s must be a list of 1 to {self.media.max_images} references")
@@ -206,17 +211,20 @@ class EncodeWorker:
         sender.failure_exception()  # aborted by its language peer before it arrived
         try:
             reader = self._fetchers if any(is_remote(ref) for ref in refs) else self._loaders
-            items = await loop.run_in_executor(reader, self._open if modality == "image" else self._open_videos, refs)
+            items = await loop.run_in_executor(reader, self._open, modality, refs)
         except ImageInputError as exc:
             raise TransferFailure(FailureKind.BAD_REQUEST, str(exc)) from None
         try:
             if modality == "image":
                 tokens = sum(tokens_for(image, self.encoder) for image in items)
                 decode_need = sum(decode_bytes(image, self.encoder.resize) for image in items)
-            else:
+            elif modality == "video":
                 samplings = [self.encoder.video_sampling(clip) for clip in items]
                 tokens = sum(sampling.tokens for sampling in samplings)
                 decode_need = sum(map(video_decode_bytes, items, samplings))
+            else:
+                tokens = sum(self.encoder.audio_tokens(clip) for clip in items)
+                decode_need = sum(map(audio_decode_bytes, items))
         except ValueError as exc:  # e.g. an aspect ratio Qwen refuses, a clip too short to sample
             raise TransferFailure(FailureKind.BAD_REQUEST, f"cannot encode: {exc}") from None
         if self.sender.blocks_for(tokens) > self.config.num_blocks:
@@ -238,7 +246,7 @@ class EncodeWorker:
                 f"no memory to decode the {modality}s within {self.config.queue_timeout:g}s ({self.decoding.used} "
                 f"of {self.decoding.limit} decode bytes in use)"))
             started = time.monotonic()
-            if modality == "image":  # a video is decoded by the encoder itself, which samples its frames
+            if modality == "image":  # a video or audio clip is decoded by the encoder itself
                 try:
                     work = self._loaders.submit(self._decode, items, refs)
                     items = await asyncio.wrap_future(work)
@@ -259,7 +267,7 @@ class EncodeWorker:
         embedding, grids, extras = encoded
         if embedding.num_tokens != tokens:  # the staging reserved above was for the tokens foreseen
             # a video whose frames are not what its header says is the input's fault; an image's
-            # size comes from the pixels decoded, so there it would be this worker's
+            # size (and a clip's length) come from what was decoded, so there it would be this worker's
             raise TransferFailure(FailureKind.BAD_REQUEST if modality == "video" else FailureKind.INTERNAL,
                                   f"the encoder made {embedding.num_tokens} tokens of these {modality}s where their "
                                   f"headers gave {tokens}")
@@ -285,11 +293,10 @@ class EncodeWorker:
             raise TransferFailure(FailureKind.OVERLOADED, why_not())
         granted.result()
 
-    def _open(self, refs: list[str]) -> list[Image.Image]:
-        return [open_image(ref, self.media) for ref in refs]
-
-    def _open_videos(self, refs: list[str]) -> list[VideoClip]:
-        return [open_video(ref, self.media) for ref in refs]
+    def _open(self, modality: str, refs: list[str]) -> list[Image.Image] | list[VideoClip] | list[AudioClip]:
+        """Each reference fetched and its header read (images not decoded yet)."""
+        opener = {"image": open_image, "video": open_video, "audio": open_audio}[modality]
+        return [opener(ref, self.media) for ref in refs]
 
     @staticmethod
     def _decode(images: list[Image.Image], refs: list[str]) -> list[Image.Image]:
@@ -306,14 +313,20 @@ class EncodeWorker:
             self._computing += 1
         try:
             if modality == "image":
-                encoded, pad_id = self.encoder.encode(items), self.encoder.image_token_id
+                encoded = self.encoder.encode(items)
+            elif modality == "video":
+                encoded = self.encoder.encode_videos([clip.data for clip in items])
             else:
-                encoded, pad_id = self.encoder.encode_videos([clip.data for clip in items]), self.encoder.video_token_id
+                encoded = self.encoder.encode_audios([clip.data for clip in items])
         finally:
             with self._idle:
                 self._computing -= 1
                 self._idle.notify_all()
-        fill_ids, mrope, delta = image_positions(encoded.grid_thw, self.encoder.merge_size, pad_id)
+        if modality == "audio":  # its grids are token counts
+            fill_ids, mrope, delta = sequence_positions(len(encoded.embeddings), self.encoder.audio_token_id)
+        else:
+            pad_id = self.encoder.image_token_id if modality == "image" else self.encoder.video_token_id
+            fill_ids, mrope, delta = image_positions(encoded.grid_thw, self.encoder.merge_size, pad_id)
         emb = Embedding(encoded.embeddings, fill_ids, mrope, np.zeros(AUX_INTS, np.int32), self.config.hidden_size,
                         self.config.dtype)
         emb.aux[0], emb.aux[1] = emb.num_tokens, delta

@@ -19,10 +19,11 @@ refusals (asleep, over its queue) pass through as they are.
 Embeddings of ``data:`` images are kept in an :class:`EmbeddingCache` under the fingerprint of
 the encoder that made them and read back under the one every encoder reports.
 
-Videos (:meth:`EncoderDispatch.embed_videos`) go the same way, each video a part of its own (an
-encoder encodes videos one at a time), to encoders whose ``/health`` lists "video" among their
-modalities; a video's grid and its position metadata (timestamps, seconds per temporal patch)
-come with the encoder's answer, checked against the rows received. They are not cached.
+Videos and audio clips (:meth:`EncoderDispatch.embed_media`) go the same way, each video a part
+of its own (an encoder encodes videos one at a time), to encoders whose ``/health`` lists that
+modality; a video's grid and position metadata (timestamps, seconds per temporal patch) and a
+clip's token count come with the encoder's answer, checked against the rows received. They are
+not cached.
 """
 
 from __future__ import annotations
@@ -131,11 +132,11 @@ class EncoderDispatch:
     def render_metrics(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def embed_videos(self, rid: str, videos: list[str]) -> Embedded:
-        """``videos``' embeddings, encoded and received, each a part of its own; failures as
-        :meth:`embed`'s."""
+    async def embed_media(self, rid: str, refs: list[str], modality: str) -> Embedded:
+        """Videos' or audio clips' embeddings (``modality``), encoded and received, not cached;
+        failures as :meth:`embed`'s."""
         self._open_session()
-        return await self._dispatch(rid, videos, "video")
+        return await self._dispatch(rid, refs, modality)
 
     def _open_session(self) -> None:
         if self._session is None:
@@ -188,7 +189,7 @@ class EncoderDispatch:
         the images an encoder takes per request (any encoder may get any part); one part per
         video."""
         healthy = [e for e in self.encoders if e.healthy] or self.encoders
-        per_part = max(1, min(e.max_images for e in self.encoders)) if modality == "image" else 1
+        per_part = 1 if modality == "video" else max(1, min(e.max_images for e in self.encoders))
         count = max(min(len(healthy), len(refs)), -(-len(refs) // per_part))
         bounds = np.linspace(0, len(refs), count + 1).astype(int)
         tasks = [asyncio.ensure_future(self._part(rid, i, refs[a:b], modality))
@@ -225,7 +226,7 @@ class EncoderDispatch:
             tried.add(enc.url)
             estimate = self.tokens_per_image * len(images)
             enc.outstanding += estimate
-            part_rid = f"{rid}/{'part' if modality == 'image' else 'video'}{index}.{attempt}"
+            part_rid = f"{rid}/{'part' if modality == 'image' else modality}{index}.{attempt}"
             try:
                 result = await self._encode_and_receive(enc, part_rid, images, modality)
             except ImageRefused:
@@ -320,8 +321,8 @@ class EncoderDispatch:
             raise
         rows, positions = transfer.pop("embedding"), transfer.pop("mrope_positions")
         try:
-            grids, extras = ((grids_from_positions(positions), {}) if modality == "image"
-                             else video_layout(encoded, len(rows), len(images)))
+            grids, extras = (LAYOUTS[modality](encoded, len(rows), len(images)) if modality in LAYOUTS
+                             else (grids_from_positions(positions), {}))
         except PromptError as exc:
             raise _EncoderFault(f"encoder {enc.url}: its embedding cannot be placed: {exc}") from None
         if encoded.get("preprocessing"):
@@ -384,6 +385,26 @@ def video_layout(encoded: dict, rows: int, videos: int) -> tuple[list[tuple[int,
     if stamps is not None and any(len(s) != t for s, (t, _, _) in zip(stamps, grids, strict=True)):
         raise PromptError("a video's timestamps do not match its temporal patches")
     return grids, extras
+
+
+def audio_layout(encoded: dict, rows: int, clips: int) -> tuple[list[tuple[int]], dict]:
+    """The clips' token counts from the encoder's answer (its ``grid_thw``: one count per
+    clip), checked against the rows that came, and their mel frame counts, which SGLang's
+    language side takes (``audio_feature_lens``)."""
+    try:
+        counts = [int(count) for (count,) in encoded["grid_thw"]]
+        mel_frames = [int(n) for n in encoded["audio_feature_lens"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PromptError(f"the answer has no usable audio token counts ({type(exc).__name__})") from None
+    if len(counts) != clips or len(mel_frames) != clips or min(counts + mel_frames, default=0) <= 0 or \
+            sum(counts) != rows:
+        raise PromptError(f"audio token counts {counts} do not describe {rows} rows of {clips} clip(s)")
+    return [(count,) for count in counts], {"audio_feature_lens": mel_frames}
+
+
+# how the rows of a video or audio part are laid out, from the encoder's answer (an image's: from
+# the positions on the wire)
+LAYOUTS = {"video": video_layout, "audio": audio_layout}
 
 
 class _EncoderFault(Exception):

@@ -1,5 +1,5 @@
-"""Write a complete seeded Qwen2.5-VL (or Qwen3-VL, or MiniMax-M3-VL: ``checkpoint_minimax.py``)
-checkpoint folder: vision tower, language model, an offline tokenizer with the family's special
+"""Write a complete seeded Qwen2.5-VL (or Qwen3-VL, or MiniMax-M3-VL: ``checkpoint_minimax.py``,
+or Qwen2-Audio: ``checkpoint_qwen2_audio.py``) checkpoint folder: vision tower, language model, an offline tokenizer with the family's special
 tokens and a chat template, and the image (and video) preprocessor configs.
 
 Nothing can be downloaded here, so this folder stands in for a real checkpoint on both workers
@@ -10,6 +10,7 @@ exact, so the disaggregated path can be compared with transformers' monolithic m
     python scripts/make_checkpoint.py /tmp/qwen-seeded [--hidden-size 2048] [--seed 0] [--layers 28]
     python scripts/make_checkpoint.py /tmp/qwen3-seeded --family qwen3_vl
     python scripts/make_checkpoint.py /tmp/minimax-seeded --family minimax_m3_vl
+    python scripts/make_checkpoint.py /tmp/qwen2-audio-seeded --family qwen2_audio
 """
 
 from __future__ import annotations
@@ -186,8 +187,10 @@ if __name__ == "__main__":
     ap.add_argument("--hidden-size", type=int, default=3584, help="language width = vision output (default 3584)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=1, help="language model layers (default 1)")
-    ap.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl", "minimax_m3_vl"], default="qwen2_5_vl",
-                    help="qwen3_vl, minimax_m3_vl: a fixed small shape (--hidden-size and --layers do not apply)")
+    ap.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl", "minimax_m3_vl", "qwen2_audio"],
+                    default="qwen2_5_vl",
+                    help="qwen3_vl, minimax_m3_vl, qwen2_audio: a fixed small shape (--hidden-size and --layers do "
+                         "not apply)")
     args = ap.parse_args()
     if args.family == "qwen3_vl":
         print(write_qwen3_vl_checkpoint(args.folder, args.seed))
@@ -195,5 +198,9 @@ if __name__ == "__main__":
         from checkpoint_minimax import write_minimax_m3_vl_checkpoint
 
         print(write_minimax_m3_vl_checkpoint(args.folder, args.seed))
+    elif args.family == "qwen2_audio":
+        from checkpoint_qwen2_audio import write_qwen2_audio_checkpoint
+
+        print(write_qwen2_audio_checkpoint(args.folder, args.seed))
     else:
         print(write_checkpoint(args.folder, args.hidden_size, args.seed, args.layers))

@@ -17,6 +17,7 @@ from typing import Any
 from connector.config import SETTINGS, ConnectorConfig, Setting
 from embedding_side.images import (
     DEFAULT_DECODE_BYTES,
+    DEFAULT_MAX_AUDIO_SECONDS,
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_PIXELS,
     DEFAULT_MAX_VIDEO_FRAMES,
@@ -187,6 +188,9 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                    help="per video, all its frames' pixels (frames x width x height): what decoding the frames "
                         "sampled can cost, as each decodes the frames from the keyframe before it (default "
                         "%(default)s: 4,000 frames of 1920x1080)")
+    m.add_argument("--max-audio-seconds", type=float, default=DEFAULT_MAX_AUDIO_SECONDS,
+                   help="per audio clip, from its header before any sample is decoded (Qwen2-Audio's encoder "
+                        "takes 30 s) (default %(default)s)")
     m.add_argument("--image-fetch-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds for the whole fetch of an http(s) image, redirects and body included "
                         "(default %(default)s)")

@@ -20,6 +20,13 @@ this module at start; it imports nothing heavy until asked for one of the two pa
   that raise :class:`CpuShimCalled` (SGLang's Qwen-VL processor imports torchvision for its
   image transforms, never for these ops).
 
+* ``torchaudio``: its wheel is a CUDA build too. SGLang reads audio with soundfile where
+  torchcodec is missing and imports torchaudio there unconditionally, for
+  ``functional.resample`` alone (a clip not at the model's rate). When no real ``torchaudio``
+  can be found, a stand-in package provides that one function with SciPy's polyphase
+  resampler (the same output length, ceil(n x new / old); other sample values than
+  torchaudio's windowed-sinc kernel).
+
 Delete the ``.pth`` file to turn all of this off.
 """
 
@@ -96,24 +103,51 @@ def _declare_ops(namespace: str, schemas: dict[str, str]) -> None:
             library.impl(name, _refuse(f"{namespace}::{name}"), "CompositeExplicitAutograd")
 
 
+def resample(waveform, orig_freq: int, new_freq: int, **_ignored):
+    """``torchaudio.functional.resample``'s stand-in: along the last axis, SciPy's polyphase filter."""
+    import math
+
+    import numpy as np
+    import torch
+    from scipy.signal import resample_poly
+
+    if orig_freq == new_freq:
+        return waveform
+    common = math.gcd(int(orig_freq), int(new_freq))
+    out = resample_poly(waveform.detach().cpu().numpy(), int(new_freq) // common, int(orig_freq) // common, axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(out)).to(waveform.dtype)
+
+
+def _stand_in_torchaudio() -> types.ModuleType:
+    module = types.ModuleType("torchaudio")
+    module.__path__ = []  # a package: `import torchaudio.functional` finds the submodule below
+    functional = types.ModuleType("torchaudio.functional")
+    functional.resample = resample
+    module.functional = sys.modules["torchaudio.functional"] = functional
+    return module
+
+
+STAND_INS = {"sgl_kernel": _stand_in_sgl_kernel, "torchaudio": _stand_in_torchaudio}
+
+
 class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """First on ``sys.meta_path``: declares torchvision's ops before torchvision loads, and
-    serves the ``sgl_kernel`` stand-in when no other finder has a real one."""
+    serves the ``sgl_kernel`` and ``torchaudio`` stand-ins when no other finder has a real one."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "torchvision":
             _declare_ops("torchvision", TORCHVISION_OPS)
             return None
-        if fullname != "sgl_kernel":
+        if fullname not in STAND_INS:
             return None
         for finder in sys.meta_path:
             if finder is not self and getattr(finder, "find_spec", None):
                 if finder.find_spec(fullname, path, target) is not None:
                     return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=False)
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == "torchaudio")
 
     def create_module(self, spec):
-        return _stand_in_sgl_kernel()
+        return STAND_INS[spec.name]()
 
     def exec_module(self, module) -> None:
         pass

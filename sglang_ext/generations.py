@@ -73,8 +73,8 @@ def snapshot(manager, receiver) -> list[SavedGeneration]:
         else:
             log.warning("rid=%s: a prompt given as embeddings or a batch is not kept across a restart", rid)
             continue
-        if obj.video_data:
-            log.warning("rid=%s: a request with videos is not kept across a restart (images only)", rid)
+        if obj.video_data or obj.audio_data:
+            log.warning("rid=%s: a request with videos or audio is not kept across a restart (images only)", rid)
             continue
         rows, grids = receiver.inputs_of(rid)
         saved.append(SavedGeneration(rid, prompt_ids, list(state.output_ids), dict(obj.sampling_params or {}),

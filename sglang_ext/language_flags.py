@@ -10,7 +10,7 @@ result, so SGLang validates its own configuration). Where the user left them out
   its KV pool on a CPU from a fraction of all host memory (6.3 M tokens, 15 GB resident, for the
   seeded 2-layer model on a 24 GiB machine), which leaves no room for a second server or for a
   restart while the old process exits; on a GPU SGLang's own sizing stands;
-* ``--limit-mm-data-per-request {"image": N, "video": N}`` from ``--max-images-per-request``:
+* ``--limit-mm-data-per-request {"image": N, "video": N, "audio": N}`` from ``--max-images-per-request``:
   SGLang refuses a request over it (400) before its media reach our receiver, so before any
   encoder is asked (the receiver counts again after flattening nested lists);
 * ``--skip-server-warmup`` when the server starts asleep on a disk checkpoint: SGLang's warm-up
@@ -60,7 +60,7 @@ def sglang_argv(argv: list[str], ours: argparse.Namespace) -> list[str]:
         out += ["--max-total-tokens", str(ours.kv_budget.tokens)]
     if flag_value(argv, "--limit-mm-data-per-request") is None:
         cap = ours.max_images_per_request
-        out += ["--limit-mm-data-per-request", json.dumps({"image": cap, "video": cap})]
+        out += ["--limit-mm-data-per-request", json.dumps({"image": cap, "video": cap, "audio": cap})]
     if starts_asleep(ours) and "--skip-server-warmup" not in argv:
         out.append("--skip-server-warmup")
     return out

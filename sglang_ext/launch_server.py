@@ -57,7 +57,8 @@ def build(args: argparse.Namespace) -> Built:
                                    allow_private=args.allow_private_media_urls, max_bytes=args.image_max_bytes,
                                    fetch_timeout=args.image_fetch_timeout, max_pixels=args.max_image_pixels,
                                    decode_bytes=args.decode_memory_bytes, max_video_frames=args.max_video_frames,
-                                   max_video_pixels=args.max_video_pixels)
+                                   max_video_pixels=args.max_video_pixels,
+                                   max_audio_seconds=args.max_audio_seconds)
         worker = EncodeWorker(config, encoder, args.disaggregation_bootstrap_port, media, args.queue_while_sleeping,
                               args.checkpoint_dir)
         extra = (f" bootstrap=http://{config.host}:{worker.bootstrap.port} "

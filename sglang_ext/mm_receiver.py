@@ -1,13 +1,14 @@
-"""The resumable connector as the way image embeddings reach SGLang's language server.
+"""The resumable connector as the way image (video, audio) embeddings reach SGLang's language server.
 
 SGLang's tokenizer manager, in language-only mode with the ``zmq_to_tokenizer`` transfer
-backend, awaits ``mm_receiver.recv_mm_data(...)`` for every request that has images and hands
+backend, awaits ``mm_receiver.recv_mm_data(...)`` for every request that has media and hands
 the multimodal inputs it returns to the scheduler: that call is the hook. Here it sends the
-request's images to the encoders of ``--encoder-urls`` (split by load, failover, the embedding
-cache: :class:`language_side.dispatch.EncoderDispatch`), receives each part through as many
-resume rounds as it needs into this worker's block-aligned pool, and builds SGLang's inputs
-from the rows and grids with the model's own processor (``get_validated_mm_data``: placeholder
-expansion, M-RoPE positions, row counts checked). From there the request is SGLang's: radix
+request's images, videos and audio clips to the encoders of ``--encoder-urls`` (split by load,
+failover, the embedding cache for images: :class:`language_side.dispatch.EncoderDispatch`),
+receives each part through as many resume rounds as it needs into this worker's block-aligned
+pool, and builds SGLang's inputs from the rows and their layout (grids, video timestamps or
+seconds per temporal patch, audio token counts) with the model's own processor
+(``get_validated_mm_data``: placeholder expansion, M-RoPE positions, row counts checked). From there the request is SGLang's: radix
 cache (the item hash is the embedding's), chunked prefill, continuous batching.
 
 A failure is a ``ValueError`` carrying ``status_code``, which SGLang's HTTP server answers with
@@ -36,6 +37,9 @@ TRANSFER_META = ("resume_rounds", "transfer_ms", "encode_ms", "encoder_wait_ms",
                  "cached_images")
 
 
+MODALITIES = ("image", "video", "audio")
+# the argument of SGLang's get_validated_mm_data that takes a modality's grids
+GRID_ARGUMENTS = {"image": "img_grid_thw", "video": "video_grid_thw"}
 # what an image or video item may carry besides its source (read or ignored), and the
 # preprocessing options SGLang's items may set, which the encoders are not told
 ITEM_FIELDS = ("url", "type", "detail", "content_hash")
@@ -83,10 +87,6 @@ def _item_options(item: Any) -> set[str]:
     return {name for name in ITEM_OPTIONS if getattr(item, name, None)}
 
 
-async def _none() -> None:
-    return None
-
-
 def _joined_meta(metas: list[dict]) -> dict:
     """The transfer meta of a request's images and videos, received side by side: counts added,
     times the longer of the two."""
@@ -119,68 +119,66 @@ class ResumableReceiver:
         self._restored: dict[str, tuple[np.ndarray, list]] = {}  # rid -> its images' rows and grids, from disk
 
     async def recv_mm_data(self, request_obj, mm_processor, prompt, need_wait_for_mm_inputs: bool = True):
-        if request_obj.audio_data:
-            raise EmbeddingUnavailable(400, "this language worker's encoders take images and videos, not audio")
-        images, videos = media_sources(request_obj.image_data), media_sources(request_obj.video_data, "video")
-        for kind, sources in (("image", images), ("video", videos)):
-            if len(sources) > self.limits.get(kind, len(sources)):
-                raise EmbeddingUnavailable(400, f"{len(sources)} {kind}s in one request, over the limit of "
+        sources = {kind: media_sources(getattr(request_obj, f"{kind}_data"), kind) for kind in MODALITIES}
+        for kind, refs in sources.items():
+            if len(refs) > self.limits.get(kind, len(refs)):
+                raise EmbeddingUnavailable(400, f"{len(refs)} {kind}s in one request, over the limit of "
                                                 f"{self.limits[kind]} (--limit-mm-data-per-request)")
-        if not (images or videos) or not need_wait_for_mm_inputs:
+        if not any(sources.values()) or not need_wait_for_mm_inputs:
             return None
         rid = str(request_obj.rid)
         if (restored := self._restored.pop(rid, None)) is not None:
-            embedded, embedded_videos = Embedded(*restored), None
+            embedded = {"image": Embedded(*restored)}
         else:
-            embedded, embedded_videos = await self._embed(rid, images, videos)
+            embedded = await self._embed(rid, {kind: refs for kind, refs in sources.items() if refs})
         from sglang.srt.managers.schedule_batch import Modality
 
         embeddings, layout = {}, {}
-        if embedded is not None:
-            embeddings[Modality.IMAGE] = self._tensor(embedded.rows)
-            layout["img_grid_thw"] = torch.tensor(embedded.grids, dtype=torch.long)
-        if embedded_videos is not None:
-            embeddings[Modality.VIDEO] = self._tensor(embedded_videos.rows)
-            layout["video_grid_thw"] = torch.tensor(embedded_videos.grids, dtype=torch.long)
-            layout |= embedded_videos.extras
+        for kind, part in embedded.items():
+            embeddings[Modality[kind.upper()]] = self._tensor(part.rows)
+            if kind != "audio":  # an audio clip's layout is its token count, in its extras
+                layout[GRID_ARGUMENTS[kind]] = torch.tensor(part.grids, dtype=torch.long)
+            layout |= {key: torch.tensor(value) if key == "audio_feature_lens" else value
+                       for key, value in part.extras.items()}
         built_at = time.monotonic()
         try:
             inputs = mm_processor.get_validated_mm_data(prompt, embeddings, **layout)
         except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as exc:  # placeholders disagree
-            raise EmbeddingUnavailable(400, f"the prompt's placeholders do not match its {len(images)} image(s) and "
-                                            f"{len(videos)} video(s): {exc}") from None
-        meta = _joined_meta([e.meta for e in (embedded, embedded_videos) if e is not None])
-        if self.keep_inputs and embedded is not None and embedded_videos is None:
-            self._inputs[rid] = (embedded.rows, embedded.grids)
+            counts = ", ".join(f"{len(refs)} {kind}(s)" for kind, refs in sources.items())
+            raise EmbeddingUnavailable(400, f"the prompt's placeholders do not match its {counts}: {exc}") from None
+        meta = _joined_meta([part.meta for part in embedded.values()])
+        if self.keep_inputs and list(embedded) == ["image"]:
+            self._inputs[rid] = (embedded["image"].rows, embedded["image"].grids)
         self._transfer_meta[rid] = {key: meta[key] for key in TRANSFER_META if key in meta}
-        log.info("rid=%s: %d image and %d video tokens from %s, %d resume rounds, transfer %.0f ms, %d cached image(s); "
-                 "SGLang's inputs built in %.0f ms", rid, 0 if embedded is None else len(embedded.rows),
-                 0 if embedded_videos is None else len(embedded_videos.rows), meta.get("encoders"),
-                 meta.get("resume_rounds", 0), meta.get("transfer_ms", 0.0), meta.get("cached_images", 0),
-                 (time.monotonic() - built_at) * 1e3)
+        log.info("rid=%s: %s tokens from %s, %d resume rounds, transfer %.0f ms, %d cached image(s); SGLang's inputs "
+                 "built in %.0f ms", rid, ", ".join(f"{len(part.rows)} {kind}" for kind, part in embedded.items()),
+                 meta.get("encoders"), meta.get("resume_rounds", 0), meta.get("transfer_ms", 0.0),
+                 meta.get("cached_images", 0), (time.monotonic() - built_at) * 1e3)
         return inputs
 
     def _tensor(self, rows: np.ndarray) -> torch.Tensor:
         """bf16 bytes [tokens, 2 * hidden] as the model's dtype."""
         return torch.from_numpy(np.ascontiguousarray(rows)).view(torch.bfloat16).to(self.dtype)
 
-    async def _embed(self, rid: str, images: list[str], videos: list[str]) -> tuple[Embedded | None, Embedded | None]:
-        """The request's images and videos, at the encoders at once; when one fails (or the
-        request is aborted) the other is cancelled and waited for, its rooms ended."""
-        async def both():
-            halves = [asyncio.ensure_future(self.dispatch.embed(rid, images) if images else _none()),
-                      asyncio.ensure_future(self.dispatch.embed_videos(rid, videos) if videos else _none())]
+    async def _embed(self, rid: str, sources: dict[str, list[str]]) -> dict[str, Embedded]:
+        """The request's images, videos and audio clips, at the encoders at once; when one kind
+        fails (or the request is aborted) the others are cancelled and waited for, their rooms
+        ended."""
+        async def every_kind():
+            kinds = [asyncio.ensure_future(self.dispatch.embed(rid, refs) if kind == "image"
+                                           else self.dispatch.embed_media(rid, refs, kind))
+                     for kind, refs in sources.items()]
             try:
-                return await asyncio.gather(*halves)
+                return dict(zip(sources, await asyncio.gather(*kinds), strict=True))
             except BaseException:
-                for half in halves:
-                    half.cancel()
-                await asyncio.gather(*halves, return_exceptions=True)
+                for each in kinds:
+                    each.cancel()
+                await asyncio.gather(*kinds, return_exceptions=True)
                 raise
 
-        task = self._embedding[rid] = asyncio.ensure_future(both())
+        task = self._embedding[rid] = asyncio.ensure_future(every_kind())
         try:
-            return tuple(await task)
+            return await task
         except ImageRefused as exc:
             raise EmbeddingUnavailable(exc.status, str(exc)) from None
         except TransferFailure as exc:

@@ -12,8 +12,9 @@ Two hooks on public-facing SGLang functions decide the mode:
 The language mode's hooks on SGLang's tokenizer manager live in
 :mod:`sglang_ext.language_server`; one more, in every mode, gives SGLang's ``torch_native``
 attention backend (the CPU one) an extend without padded queries
-(:mod:`sglang_ext.cpu_attention`), and another SGLang's vision attention on a CPU a mask-free
-one (:mod:`sglang_ext.cpu_vision_attention`).
+(:mod:`sglang_ext.cpu_attention`), another SGLang's vision attention on a CPU a mask-free
+one (:mod:`sglang_ext.cpu_vision_attention`), and one Qwen2-Audio's encoder the padding mask
+upstream leaves out (:mod:`sglang_ext.qwen2_audio_mask`, on every device).
 
 SGLang runs plugins in every process it starts (schedulers, detokenizers); there this costs a
 version check and the registrations, and imports nothing of ours until a hook is called.
@@ -44,6 +45,8 @@ RESOLVED_DICT = "sglang.srt.server_args.ServerArgs.resolved_dict"  # what /serve
 TORCH_NATIVE_EXTEND = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
                        "_run_sdpa_forward_extend")
 VISION_SDPA = "sglang.srt.layers.attention.vision.VisionSdpaAttention.forward"  # the vision towers' CPU attention
+# Qwen2-Audio's encoder without its padding mask upstream (sglang_ext/qwen2_audio_mask.py)
+QWEN2_AUDIO_FEATURE = "sglang.srt.models.qwen2_audio.Qwen2AudioForConditionalGeneration.get_audio_feature"
 # SGLang transfer backends and the Mooncake protocol each maps to (None: from --mooncake-protocol)
 BACKENDS = {"mooncake": None, "mooncake_tcp": "tcp"}
 
@@ -74,6 +77,7 @@ def register() -> None:
         HookRegistry.register(f"{TOKENIZER_MANAGER}.{method}", _language_server_hook(name), HookType.AROUND)
     HookRegistry.register(TORCH_NATIVE_EXTEND, _around_torch_native_extend, HookType.AROUND)
     HookRegistry.register(VISION_SDPA, _around_vision_sdpa, HookType.AROUND)
+    HookRegistry.register(QWEN2_AUDIO_FEATURE, _around_qwen2_audio_feature, HookType.AROUND)
     HookRegistry.register(OPENAI_REQUEST, _language_server_hook("around_openai_request"), HookType.AROUND)
     HookRegistry.register(RESOLVED_DICT, _after_resolved_dict, HookType.AFTER)
 
@@ -148,6 +152,12 @@ def _around_torch_native_extend(original, *args, **kwargs):
     from sglang_ext.cpu_attention import extend_without_padding
 
     return extend_without_padding(original, *args, **kwargs)
+
+
+def _around_qwen2_audio_feature(original, *args, **kwargs):
+    from sglang_ext.qwen2_audio_mask import masked_audio_feature
+
+    return masked_audio_feature(original, *args, **kwargs)
 
 
 def _around_vision_sdpa(original, *args, **kwargs):

@@ -115,7 +115,7 @@ MODULE_SECONDS = {"test_sleep_generation": 520, "test_benchmarks_smoke": 290, "t
                   "test_openai_api": 180, "test_sglang_plugin": 80, "test_backpressure": 120,
                   "test_faults_under_load": 110, "test_workers": 100, "test_language_model": 70,
                   "test_sglang_language": 190, "test_no_silent_hang": 75, "test_sglang_encoder": 90,
-                  "test_sglang_minimax": 60}
+                  "test_sglang_minimax": 60, "test_sglang_audio": 70}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

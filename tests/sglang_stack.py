@@ -53,6 +53,24 @@ def write_clips(root: Path) -> dict[str, str]:
     return paths
 
 
+# (seconds, sample rate): Qwen2-Audio's window is 30 s; 44.1 kHz is resampled by the encoder
+AUDIO_CLIPS = {"1s": (1.0, 16000), "7.3s": (7.3, 16000), "30s": (30.0, 16000), "2.5s-44k": (2.5, 44100)}
+
+
+def write_audio_clips(root: Path, clips: dict[str, tuple[float, int]] = AUDIO_CLIPS) -> dict[str, str]:
+    """One 16-bit WAV of each of ``clips`` under ``root``: a few tones and noise, seeded."""
+    import soundfile
+
+    paths = {}
+    for seed, (name, (seconds, rate)) in enumerate(clips.items()):
+        paths[name] = str(root / f"{name}.wav")
+        t = np.arange(int(seconds * rate)) / rate
+        rng = np.random.default_rng(seed)
+        wave = sum(np.sin(2 * np.pi * f * t) for f in rng.uniform(110, 1760, 3)) / 4 + rng.normal(0, 0.05, t.size)
+        soundfile.write(paths[name], np.clip(wave, -1, 1).astype(np.float32), rate, subtype="PCM_16")
+    return paths
+
+
 def prompt(n_images: int, n_videos: int = 0) -> str:
     return PROMPT.format(images=IMAGE * n_images + VIDEO * n_videos)
 

@@ -118,7 +118,7 @@ def test_our_language_mode_gives_sglang_its_bounds_and_cpu_defaults(tmp_path) ->
     ours = argparse.Namespace(model_path=str(folder), max_images_per_request=5, checkpoint_dir=None, kv_budget=budget)
     argv = sglang_argv(["--disaggregation-mode", "language", "--model-path", str(folder), "--device", "cpu"], ours)
     assert argv[argv.index("--max-total-tokens") + 1] == str(budget.tokens)
-    assert json.loads(argv[argv.index("--limit-mm-data-per-request") + 1]) == {"image": 5, "video": 5}
+    assert json.loads(argv[argv.index("--limit-mm-data-per-request") + 1]) == {"image": 5, "video": 5, "audio": 5}
     assert "--disaggregation-mode" not in argv and "--skip-server-warmup" not in argv
     own = sglang_argv(["--language-only", "--limit-mm-data-per-request", '{"image": 2}', "--device", "cpu"],
                       argparse.Namespace(**{**vars(ours), "kv_budget": None}))

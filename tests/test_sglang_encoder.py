@@ -14,6 +14,8 @@ reference gets the frames SGLang's encoder samples, decoded by the same library.
 from __future__ import annotations
 
 import base64
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,7 +37,12 @@ from sglang_stack import (
     write_clips,
     write_images,
 )
+from test_faults import wait_for
+from test_sleep_workers import sleep_, wake
 from workers import SGLANG_READY, WorkerProcess
+
+from connector.poll import KVPoll
+from connector.receiver import finish_receiving
 
 pytestmark = pytest.mark.sglang
 
@@ -188,6 +195,34 @@ def test_a_deep_sleep_drops_the_weights_and_the_wake_up_reads_them_again(workers
     woke = requests.post(f"{encode.url}/wake_up", timeout=120)
     assert woke.status_code == 200 and not woke.json()["is_sleeping"], woke.text
     generate_as_reference(language, [images["other"]], "qwen3-awake", reference)
+
+
+def test_a_room_kept_on_disk_continues_after_kill_9(folder, images, make_language, tmp_path) -> None:
+    """SGLang's encoder in an encode worker with ``--checkpoint-dir``: a 4K room between resume
+    rounds, the worker asleep on disk, killed with SIGKILL, started again on the folder (it boots
+    asleep), woken: the room finishes with the bytes the first process encoded."""
+    args = ("--model-path", folder, "--checkpoint-dir", str(tmp_path / "ckpt"))
+    encode = WorkerProcess("encode", *args, command=SGLANG_LAUNCH)
+    lang = make_language(num_blocks=128, hidden_size=768, heartbeat_interval=1.0)
+    try:
+        encoded = requests.post(f"{encode.url}/encode", json={"rid": "disk", "bootstrap_room": 11, "images": [
+            images["3840x2160"]], "wait_for_delivery": False}, timeout=120)
+        assert encoded.status_code == 200 and encoded.json()["num_tokens"] == 8160, encoded.text
+        receiver = lang.manager.create_receiver(f"127.0.0.1:{encode.bootstrap_port}", 11)
+        receiver.init(lang.allocator.allocate(16))  # 2,048 of 8,160 tokens: more rounds follow
+        wait_for(lambda: receiver.poll() == KVPoll.Transferring, 30, "the first round")
+        assert sleep_(encode)["kept_bytes"] > 0
+        wait_for(lambda: lang.manager.stats["durable_sleepers_seen"] == 1, 10, "the language side to see it on disk")
+        os.kill(encode.proc.pid, signal.SIGKILL)
+        encode.proc.wait()
+        encode = WorkerProcess("encode", *args, bootstrap_port=encode.bootstrap_port, command=SGLANG_LAUNCH)
+        assert "asleep: a checkpoint waits" in encode.ready_line
+        assert wake(encode).json()["restored_requests"] == 1
+        embedding = finish_receiving(receiver, 60)
+        assert embedding.sha256() == encoded.json()["sha256"]
+        embedding.release()
+    finally:
+        encode.stop()
 
 
 def _peak_resident_bytes(pid: int) -> int:

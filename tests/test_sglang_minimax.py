@@ -13,7 +13,6 @@ to a near tie of the reference's (``monolithic.greedy_mismatch``). The language 
 
 from __future__ import annotations
 
-import argparse
 import base64
 from pathlib import Path
 
@@ -25,9 +24,6 @@ from PIL import Image
 from sglang_stack import NEW_TOKENS, SGLANG_LAUNCH, SIZES, write_images
 from transfer_large_image import make_image
 from workers import SGLANG_READY, WorkerProcess
-
-from embedding_side.encoders import tokens_for
-from sglang_ext.encoder_flags import standalone_server_args
 
 pytestmark = pytest.mark.sglang
 
@@ -132,15 +128,21 @@ def test_the_reference_depends_on_the_picture(reference, images) -> None:
     assert reference([images["448x448"]]).ids != reference([images["other"]]).ids
 
 
-def test_token_counts_before_encoding_are_the_encoders(folder) -> None:
-    """In this process: the model's own resize rule, as the worker applies it to the header,
-    gives the token count SGLang's encoder makes (kept, enlarged, shrunk, extreme sizes)."""
-    from embedding_side.sglang_encoder import SGLangEncoder
+def test_token_counts_before_encoding_are_the_encoders(workers, tmp_path) -> None:
+    """The model's own resize rule, which the worker applies to the header, gives the token
+    count SGLang's encoder makes (kept, enlarged, shrunk, extreme sizes): the worker answers
+    500 when they differ, and the prompt grows by the count foreseen."""
+    from embedding_side.sglang_encoder import _resize_rule
 
-    encoder = SGLangEncoder(standalone_server_args(argparse.Namespace(model_path=folder, host="127.0.0.1",
-                                                                      device="cpu")))
-    for width, height in [(392, 280), (640, 336), (33, 33), (57, 1000), (1920, 1080), (3840, 2160), (4000, 100)]:
-        picture = make_image(width, height, seed=1)
-        encoded = encoder.encode([picture])
-        (t, h, w), = encoded.grid_thw
-        assert tokens_for(picture, encoder) == encoded.embeddings.shape[0] == t * h * w // 4, (width, height)
+    _, language = workers
+    resize = _resize_rule("minimax_m3_vl", 28, 1, 1 << 40, None)
+    prompt_tokens = {}
+    for width, height in [(448, 448), (392, 280), (640, 336), (33, 33), (57, 1000), (1920, 1080), (4000, 100)]:
+        path = str(tmp_path / f"{width}x{height}.png")
+        make_image(width, height, seed=1).save(path)
+        body = {"text": prompt(1), "image_data": [path], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        answer = requests.post(f"{language.url}/generate", json=body, timeout=300)
+        assert answer.status_code == 200, (width, height, answer.text)
+        h, w = resize(height, width)
+        prompt_tokens[(width, height)] = answer.json()["meta_info"]["prompt_tokens"] - h * w // (28 * 28)
+    assert len(set(prompt_tokens.values())) == 1, prompt_tokens  # the same text around each image

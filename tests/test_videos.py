@@ -98,7 +98,7 @@ def test_an_encoder_of_images_only_refuses_a_video(clips) -> None:
         health = requests.get(f"{worker.url}/health", timeout=10).json()
         assert health["modalities"] == ["image"]
         for body, message in (({"videos": [clips["392x280x8"]]}, "takes images only"),
-                              ({"videos": [clips["392x280x8"]], "images": ["/x.png"]}, "images or videos, not both"),
+                              ({"videos": [clips["392x280x8"]], "images": ["/x.png"]}, "images, videos or audios: one kind"),
                               ({"videos": [7]}, "videos must be strings")):
             answer = requests.post(f"{worker.url}/encode", json={"rid": "v", "bootstrap_room": 5, **body}, timeout=10)
             assert answer.status_code == 400 and message in answer.text, answer.text
@@ -148,7 +148,7 @@ def test_when_the_images_fail_the_videos_of_the_request_are_cancelled() -> None:
             await asyncio.sleep(0.05)
             raise ImageRefused(400, "encoder refused the image")
 
-        async def embed_videos(self, rid, videos):
+        async def embed_media(self, rid, videos, modality):
             try:
                 await asyncio.sleep(60)
             except asyncio.CancelledError:
