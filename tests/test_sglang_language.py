@@ -607,7 +607,7 @@ def test_an_image_the_encoder_refuses_is_the_clients_error(workers, images) -> N
     _, language = workers
     mismatch = generate(language, [images["448x448"]], "mismatch", text="<|video_pad|> hi")
     assert mismatch.status_code == 400, mismatch.text
-    assert "placeholders do not match its 1 image(s) and 0 video(s)" in mismatch.json()["error"]["message"]
+    assert "placeholders do not match its 1 image(s), 0 video(s), 0 audio(s)" in mismatch.json()["error"]["message"]
     answer = generate(language, ["/etc/shadow"], "refused")
     assert answer.status_code == 400, answer.text
     assert "only read inside --allowed-local-media-path" in answer.json()["error"]["message"]
