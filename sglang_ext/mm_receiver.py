@@ -124,7 +124,10 @@ class ResumableReceiver:
             if len(refs) > self.limits.get(kind, len(refs)):
                 raise EmbeddingUnavailable(400, f"{len(refs)} {kind}s in one request, over the limit of "
                                                 f"{self.limits[kind]} (--limit-mm-data-per-request)")
-        if not any(sources.values()) or not need_wait_for_mm_inputs:
+        # Media always come through the connector, whatever ``need_wait_for_mm_inputs`` says: SGLang
+        # leaves it None on each choice of an n>1 request (``GenerateReqInput.__getitem__`` does not
+        # copy it), and a None here would make SGLang encode the images itself.
+        if not any(sources.values()):
             return None
         rid = str(request_obj.rid)
         if (restored := self._restored.pop(rid, None)) is not None:

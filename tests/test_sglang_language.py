@@ -155,6 +155,21 @@ def test_two_images_in_one_prompt_equal_monolithic(workers, images, reference) -
     generate_as_reference(language, [images["other"], images["448x448"]], "two-images", reference)
 
 
+def test_every_choice_of_an_n_2_request_uses_the_embedding_from_the_connector(workers, images, reference) -> None:
+    """``n=2``: SGLang makes a batch of the request; each choice's images come through the
+    connector (before, SGLang processed them itself, "falling back to local mm processing"), and
+    both greedy choices equal the reference."""
+    _, language = workers
+    answer = generate(language, [images["other"]], "two-choices", sampling_params={
+        "max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "n": 2})
+    assert answer.status_code == 200, answer.text
+    choices = answer.json()
+    assert len(choices) == 2, choices
+    for choice in choices:
+        assert greedy_mismatch(choice["output_ids"], reference([images["other"]])) is None
+    assert not [line for line in language.log if "falling back to local mm processing" in line]
+
+
 def test_videos_equal_monolithic(workers, clips, video_reference) -> None:
     """Each clip alone, then both in one prompt (two parts, one per video): SGLang's encoder
     samples and encodes them, the seconds per temporal patch come along for the positions."""
