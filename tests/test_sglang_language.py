@@ -39,6 +39,7 @@ from sglang_stack import (
     write_clips,
     write_images,
 )
+from transfer_large_image import make_image
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 from workers import SGLANG_READY, WorkerProcess, free_port
 
@@ -645,9 +646,10 @@ def test_the_encoders_sleep_and_wake_need_its_admin_key(workers) -> None:
     assert woke.status_code == 200 and not woke.json()["is_sleeping"], woke.text
 
 
-def test_an_encoders_death_is_a_clear_error_and_the_server_lives_on(workers, images) -> None:
+def test_an_encoders_death_is_a_clear_error_and_the_server_lives_on(workers, images, tmp_path) -> None:
     """Last in the module: the encoder is stopped. Its request gets 502 at once; SGLang's server
-    keeps serving text."""
+    keeps serving text. (The chat's image is one never sent before: an image sent as a data: URI
+    earlier would come from the embedding cache, no encoder needed.)"""
     encode, language = workers
     encode.stop()
     answer = generate(language, [images["448x448"]], "no-encoder")
@@ -656,7 +658,8 @@ def test_an_encoders_death_is_a_clear_error_and_the_server_lives_on(workers, ima
     from openai import APIStatusError, OpenAI
 
     client = OpenAI(base_url=f"{language.url}/v1", api_key="none", timeout=60, max_retries=0)
-    data = base64.b64encode(open(images["448x448"], "rb").read()).decode()
+    make_image(448, 448, seed=99).save(tmp_path / "never-sent.png")
+    data = base64.b64encode((tmp_path / "never-sent.png").read_bytes()).decode()
     content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}]
     for stream in (False, True):  # the same status as /generate's on the OpenAI route, streamed or not
         with pytest.raises(APIStatusError, match="no encoder could encode") as refused:
