@@ -19,7 +19,7 @@ class DigestConsumer:
 
 
 class EmbeddingCopy:
-    """For the language engine: the embedding's rows and positions copied out of the pool, so its
+    """For SGLang's server: the embedding's rows and positions copied out of the pool, so its
     blocks come back as soon as it has landed rather than after the prefill."""
 
     def consume(self, rid: str, embedding: Embedding) -> dict:

@@ -33,7 +33,6 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
@@ -41,9 +40,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from connector.failures import FailureKind, TransferFailure
 from language_side.embedding_cache import EmbeddingCache, cache_key, image_digest, split_rows
-from language_side.prompt import MERGE, PromptError, grids_from_positions
+from language_side.layout import MERGE, LayoutError, grids_from_positions
 from language_side.worker import LanguageWorker
-from worker_infra.http import wait_for_future
+from worker_infra.http import encoder_host, wait_for_future
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +94,7 @@ class Embedded:
 class EncoderDispatch:
     def __init__(self, urls: list[str], worker: LanguageWorker, cache: EmbeddingCache, max_attempts: int = 3,
                  encode_timeout: float = 600.0) -> None:
-        if not urls:
-            raise ValueError("--encoder-urls needs at least one URL")
-        self.encoders = []
-        for url in urls:
-            parts = urlsplit(url)
-            if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
-                raise ValueError(f"--encoder-urls: {url!r} is not http://host:port")
-            self.encoders.append(Encoder(url.rstrip("/"), parts.hostname))
+        self.encoders = [Encoder(url.rstrip("/"), encoder_host(url)) for url in urls]
         self.worker, self.max_attempts = worker, max_attempts
         self.timeout = aiohttp.ClientTimeout(total=encode_timeout, sock_connect=5)
         self.tokens_per_image = FIRST_ESTIMATE
@@ -132,11 +124,30 @@ class EncoderDispatch:
     def render_metrics(self) -> bytes:
         return generate_latest(self.registry)
 
+    async def receive_room(self, rid: str, addr: str, room: int) -> Embedded:
+        """The two-request flow's half: the embedding of ``room``, which a router had the encoder
+        at ``addr`` (its bootstrap address, allowed by the caller) encode and send; the images'
+        grids are read from the positions that came with it. TransferFailure as :meth:`embed`'s
+        (the encoder's failure of the room included), :class:`LayoutError` for positions that
+        are no image's."""
+        future = self.worker.submit(rid, addr, room)
+        transfer = await wait_for_future(future, lambda: self.worker.cancel(rid, "the client went away"))
+        rows, positions = transfer.pop("embedding"), transfer.pop("mrope_positions")
+        return Embedded(rows, grids_from_positions(positions), [], transfer | {"num_tokens": len(rows),
+                                                                               "encoders": [addr]})
+
     async def embed_media(self, rid: str, refs: list[str], modality: str) -> Embedded:
         """Videos' or audio clips' embeddings (``modality``), encoded and received, not cached;
         failures as :meth:`embed`'s."""
+        self._check_encoders()
         self._open_session()
         return await self._dispatch(rid, refs, modality)
+
+    def _check_encoders(self) -> None:
+        if not self.encoders:
+            raise ImageRefused(400, "this language server has no --encoder-urls: name the encoder that holds a "
+                                    "request's embedding by bootstrap_host, bootstrap_port and bootstrap_room (the "
+                                    "two-request flow)")
 
     def _open_session(self) -> None:
         if self._session is None:
@@ -145,6 +156,7 @@ class EncoderDispatch:
     async def embed(self, rid: str, images: list[str]) -> Embedded:
         """``images``' embeddings, from the cache or encoded and received; TransferFailure (its
         kind says the status) or :class:`ImageRefused` when they cannot be had."""
+        self._check_encoders()
         self._open_session()
         digests = await asyncio.to_thread(lambda: [image_digest(s) for s in images]) if self.cache.budget else []
         fingerprint = await self._fingerprint() if any(digests) else None
@@ -323,7 +335,7 @@ class EncoderDispatch:
         try:
             grids, extras = (LAYOUTS[modality](encoded, len(rows), len(images)) if modality in LAYOUTS
                              else (grids_from_positions(positions), {}))
-        except PromptError as exc:
+        except LayoutError as exc:
             raise _EncoderFault(f"encoder {enc.url}: its embedding cannot be placed: {exc}") from None
         if encoded.get("preprocessing"):
             self.fingerprints[enc.url] = str(encoded["preprocessing"])
@@ -374,16 +386,16 @@ def video_layout(encoded: dict, rows: int, videos: int) -> tuple[list[tuple[int,
         if "second_per_grid_ts" in encoded:
             extras["second_per_grid_ts"] = [float(s) for s in encoded["second_per_grid_ts"]]
     except (KeyError, TypeError, ValueError) as exc:
-        raise PromptError(f"the answer has no usable video grids or metadata ({type(exc).__name__})") from None
+        raise LayoutError(f"the answer has no usable video grids or metadata ({type(exc).__name__})") from None
     if any(min(grid) <= 0 or grid[1] % MERGE or grid[2] % MERGE for grid in grids):
-        raise PromptError(f"video grids {grids} are not grids of {MERGE}x{MERGE} merged patches")
+        raise LayoutError(f"video grids {grids} are not grids of {MERGE}x{MERGE} merged patches")
     if len(grids) != videos or sum(t * h * w for t, h, w in grids) != rows * MERGE * MERGE or any(
             len(values) != videos for values in extras.values()):
-        raise PromptError(f"video grids {grids} and metadata {sorted(extras)} do not describe {rows} rows of "
+        raise LayoutError(f"video grids {grids} and metadata {sorted(extras)} do not describe {rows} rows of "
                           f"{videos} video(s)")
     stamps = extras.get("video_timestamps")
     if stamps is not None and any(len(s) != t for s, (t, _, _) in zip(stamps, grids, strict=True)):
-        raise PromptError("a video's timestamps do not match its temporal patches")
+        raise LayoutError("a video's timestamps do not match its temporal patches")
     return grids, extras
 
 
@@ -395,10 +407,10 @@ def audio_layout(encoded: dict, rows: int, clips: int) -> tuple[list[tuple[int]]
         counts = [int(count) for (count,) in encoded["grid_thw"]]
         mel_frames = [int(n) for n in encoded["audio_feature_lens"]]
     except (KeyError, TypeError, ValueError) as exc:
-        raise PromptError(f"the answer has no usable audio token counts ({type(exc).__name__})") from None
+        raise LayoutError(f"the answer has no usable audio token counts ({type(exc).__name__})") from None
     if len(counts) != clips or len(mel_frames) != clips or min(counts + mel_frames, default=0) <= 0 or \
             sum(counts) != rows:
-        raise PromptError(f"audio token counts {counts} do not describe {rows} rows of {clips} clip(s)")
+        raise LayoutError(f"audio token counts {counts} do not describe {rows} rows of {clips} clip(s)")
     return [(count,) for count in counts], {"audio_feature_lens": mel_frames}
 
 

@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from language_side.prompt import image_token_count
+from language_side.layout import image_token_count
 
 Grid = tuple[int, int, int]
 

@@ -17,17 +17,16 @@ One scheduler thread drives the queues, woken by status changes (no busy polling
 that disconnects (or ``/abort_request``) cancels its request in any phase: the encoder is told
 and its blocks come back.
 
-Sleep (``preserve_state=true``) first suspends the language engine's generations (at a step
-boundary: KV to the host, weights released), then suspends every room with its encoder, keeps
-what landed in host memory (and on disk with a checkpoint folder), and releases the pool; wake
-checks a disk checkpoint, resumes the generations (weights and KV back), re-creates the pool
-under a new generation and continues every request from where it stood, in queue order.
+Sleep (``preserve_state=true``) suspends every room with its encoder, keeps what landed in host
+memory (and on disk with a checkpoint folder), and releases the pool; wake checks a disk
+checkpoint, re-creates the pool under a new generation and continues every request from where
+it stood, in queue order. (SGLang's server pauses and resumes its own generations around these:
+``sglang_ext/language_server.py``.)
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import enum
 import functools
 import logging
@@ -35,7 +34,6 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from connector import checkpoint as checkpoint_files
 from connector.allocator import BlockAllocator, pool_blocks
@@ -51,33 +49,10 @@ from connector.transitions import checked_move
 from language_side import checkpoint
 from language_side.checkpoint import SavedRequest
 from language_side.consumers import Consumer, DigestConsumer
-from language_side.engine import GenRequest
 from worker_infra.metrics import WorkerMetrics
 from worker_infra.sleep import SleepGate
 
 log = logging.getLogger(__name__)
-
-
-class Generations(Protocol):
-    """What sleep needs of the language engine's service (when there is one)."""
-
-    def active(self) -> int: ...
-
-    def abort_all(self, why: str) -> int: ...
-
-    def suspend(self, level: int) -> dict: ...
-
-    def resume(self) -> float: ...
-
-    def held(self) -> contextlib.AbstractContextManager[None]: ...
-
-    def snapshot(self) -> list[GenRequest]: ...
-
-    def restore(self, requests: list[GenRequest]) -> None: ...
-
-    def model_geometry(self) -> dict: ...
-
-    def close(self) -> None: ...
 
 
 class RequestPhase(enum.Enum):
@@ -123,9 +98,8 @@ class _Request:
 
 class LanguageWorker:
     def __init__(self, config: ConnectorConfig, consumer: Consumer | None = None, checkpoint_dir: str | None = None,
-                 queue_while_sleeping: bool = False, generations: Generations | None = None) -> None:
+                 queue_while_sleeping: bool = False) -> None:
         self.config, self.consumer, self.checkpoint_dir = config, consumer or DigestConsumer(), checkpoint_dir
-        self.generations = generations
         self.pool: BufferPool | None = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
         self.allocator: BlockAllocator | None = BlockAllocator(config.num_blocks)
         self.transport = MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion)
@@ -223,19 +197,7 @@ class LanguageWorker:
                     raise TransferFailure(FailureKind.CONFLICT, f"rooms {owed[:8]} wait for a round from a reference-"
                                                                 f"fork encoder, which cannot be told to pause; sleep "
                                                                 f"again once it has landed")
-                # The engine first (no token after this), then the transfers; a wake-up starts with
-                # the engine too, so a model that cannot be loaded again leaves everything asleep.
-                engine = {}
-                if self.generations is not None:
-                    if not preserve_state:  # applied by the engine thread, suspended or not
-                        self.generations.abort_all("the language worker went to sleep (preserve_state=false)")
-                    engine = self.generations.suspend(level)
-                try:
-                    kept_bytes = self._sleep_transfers(preserve_state)
-                except BaseException:
-                    if self.generations is not None:
-                        self.generations.resume()  # awake again: generations go on
-                    raise
+                kept_bytes = self._sleep_transfers(preserve_state)
                 disk = {}
                 if preserve_state and self.checkpoint_dir:
                     written_at = time.monotonic()
@@ -243,17 +205,11 @@ class LanguageWorker:
                         kept_bytes = written
                         disk = {"checkpoint_bytes": written,
                                 "checkpoint_ms": round((time.monotonic() - written_at) * 1e3, 3)}
-        if not preserve_state:
-            engine = {}  # ended, not kept
-        self.metrics.slept(level, preserve_state, time.monotonic() - start,
-                           disk.get("checkpoint_bytes", kept_bytes + engine.get("kv_bytes", 0)))
+        self.metrics.slept(level, preserve_state, time.monotonic() - start, disk.get("checkpoint_bytes", kept_bytes))
         kept = len(self._saved or [])
-        log.info("language worker asleep (level %d, preserve_state=%s): %d requests kept, %d bytes; %d generations, "
-                 "%d KV bytes", level, preserve_state, kept, kept_bytes, engine.get("generations", 0),
-                 engine.get("kv_bytes", 0))
+        log.info("language worker asleep (level %d, preserve_state=%s): %d requests kept, %d bytes", level,
+                 preserve_state, kept, kept_bytes)
         reply = {"changed": True, "is_sleeping": True, "kept_requests": kept, "kept_bytes": kept_bytes,
-                 "kept_generations": engine.get("generations", 0), "kv_bytes": engine.get("kv_bytes", 0),
-                 "step_wait_ms": engine.get("step_wait_ms", 0.0), "engine_ms": engine.get("suspend_ms", 0.0),
                  "seconds": round(time.monotonic() - start, 4), **disk}
         return {**reply, "checkpoint_error": self._disk_error} if self._disk_error else reply
 
@@ -276,12 +232,10 @@ class LanguageWorker:
         return kept_bytes
 
     def _write_checkpoint(self) -> int | None:
-        """The kept requests and the suspended engine's generations, on disk in one checkpoint;
-        its size, or None (the reason in ``_disk_error``: they stay in host memory only)."""
-        generations = self.generations.snapshot() if self.generations is not None else []
+        """The kept requests on disk; its size, or None (the reason in ``_disk_error``: they stay in
+        host memory only)."""
         written, self._disk_error = checkpoint_files.save_or_explain(self.checkpoint_dir, lambda: checkpoint.save(
-            self.checkpoint_dir, self._geometry(), [r.saved for r in self._saved or []], self.receivers.rank_port,
-            generations))
+            self.checkpoint_dir, self._geometry(), [r.saved for r in self._saved or []], self.receivers.rank_port))
         return written
 
     def _keep_requests(self) -> int:
@@ -350,29 +304,17 @@ class LanguageWorker:
             saved = self._saved
             from_disk = saved is None and bool(self.checkpoint_dir) and not discard_checkpoint \
                 and checkpoint_files.exists(self.checkpoint_dir, checkpoint.ROLE)
-            generations: list[GenRequest] = []
             if from_disk:
-                loaded, generations = checkpoint.load(self.checkpoint_dir, self._geometry())  # CheckpointError: 422
+                loaded = checkpoint.load(self.checkpoint_dir, self._geometry())  # CheckpointError: 422
                 saved = [_Request(s.rid, s.bootstrap_addr, s.room, Q.SAVED, saved=s, restored_from_disk=True)
                          for s in loaded]
-                if generations:
-                    assert self.generations is not None  # the checkpoint's model geometry matched this worker's
-                    try:
-                        self.generations.restore(generations)
-                    except ValueError as exc:  # e.g. a smaller KV budget than the writer's
-                        raise checkpoint_files.CheckpointError(f"checkpoint in {self.checkpoint_dir}: {exc}") from None
                 self._saved = saved  # in memory now: a wake-up that fails below is tried again from here
-            # the first step waits for the end of the wake-up: it would compete with it for the CPU
-            with self.generations.held() if self.generations is not None else contextlib.nullcontext():
-                engine_ms = 0.0
-                if self.generations is not None:  # before the pool: a model that cannot be loaded leaves all asleep
-                    engine_ms = self.generations.resume()
-                self.pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
-                                       self.config.dtype, prefault=False)
-                self.allocator = BlockAllocator(self.config.num_blocks)
-                self.receivers.attach_pool(self.pool, self.allocator)
-                self.pool.prefault_in_background()
-                self._restore(saved or [])
+            self.pool = BufferPool(self.config.num_blocks, self.config.block_size, self.config.hidden_size,
+                                   self.config.dtype, prefault=False)
+            self.allocator = BlockAllocator(self.config.num_blocks)
+            self.receivers.attach_pool(self.pool, self.allocator)
+            self.pool.prefault_in_background()
+            self._restore(saved or [])
             if self.checkpoint_dir:
                 checkpoint_files.remove(self.checkpoint_dir, checkpoint.ROLE)
             self._saved = None
@@ -381,7 +323,6 @@ class LanguageWorker:
         self.metrics.woke(time.monotonic() - start, restored)
         log.info("language worker awake: %d requests restored%s", restored, " from disk" if from_disk else "")
         return {"changed": True, "is_sleeping": False, "restored_requests": restored,
-                "restored_generations": len(generations), "engine_ms": engine_ms,
                 "seconds": round(time.monotonic() - start, 4)}
 
     def _restore(self, saved: list[_Request]) -> None:
@@ -411,8 +352,7 @@ class LanguageWorker:
 
     def _geometry(self) -> dict:
         return {"block_size": self.config.block_size, "hidden_size": self.config.hidden_size,
-                "dtype": self.config.dtype,
-                "model": self.generations.model_geometry() if self.generations is not None else None}
+                "dtype": self.config.dtype}
 
     # ---- shutdown --------------------------------------------------------------------------------
 
@@ -420,12 +360,8 @@ class LanguageWorker:
         """SIGTERM/SIGINT: refuse new requests, fail every request (503), tell the encoders."""
         self.gate.stop()
         self._abort_requests(FailureKind.SHUTTING_DOWN, "the language worker is shutting down")
-        if self.generations is not None:
-            self.generations.abort_all("the language worker is shutting down")
 
     def close(self) -> None:
-        if self.generations is not None:
-            self.generations.close()
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)

@@ -1,14 +1,23 @@
 """Images and a prompt in, text out, in one request: the main job.
 
-Starts an encode worker and a language worker that knows it (``--encoder-urls``) on one
-Qwen2.5-VL checkpoint folder (the seeded one, written by ``make_checkpoint.py``, unless
-``--model-path``), sends each request to the language worker alone (``/generate`` with the
-prompt and ``image_data``: it sends the images to its encoder, receives the embedding over
-resume rounds as needed, checks its digest against the encoder's, and generates), and prints
-per request: image tokens, resume rounds, the time to first token split into encode / transfer
-/ prefill, and the generated tokens and text. Then checks one request against transformers'
-monolithic ``Qwen2_5_VLForConditionalGeneration.generate`` on the same folder, image and prompt.
-Exits non-zero on any error or mismatch.
+Starts an encode worker (SGLang's own encoder for the checkpoint, in our encode worker:
+``python -m sglang.launch_server --disaggregation-mode encode``) and SGLang's own server as the
+language worker that knows it (``python -m sglang.launch_server --disaggregation-mode language
+--encoder-urls ...``), both on one Qwen2.5-VL checkpoint folder (the seeded one, written by
+``make_checkpoint.py``, unless ``--model-path``). Each request goes to the language server alone
+(SGLang's ``/generate`` with the prompt and ``image_data``): it sends the images to its encoder,
+receives the embedding through the resumable connector over as many resume rounds as it needs,
+checks its digest against the encoder's, and SGLang prefills and decodes. Per request it prints
+the image tokens, the resume rounds, the time to first token (SGLang's own, from the request's
+arrival) split into encode (the encoder's decode + preprocess + tower), transfer (the rest of the
+way to the embedding assembled on the language side: the ``/encode`` call, the wire, the resume
+rounds), prefill (SGLang's scheduler, first forward pass to first token) and other (SGLang's
+inputs, its queue), and the generated tokens and text (after one small warm-up request: SGLang's
+encoder's first forward pass is several times slower than the next ones). Then checks
+one request against transformers' monolithic ``Qwen2_5_VLForConditionalGeneration.generate`` on
+the same folder, image and prompt (``monolithic.greedy_mismatch``: the ids equal, or equal up to a
+step where the reference itself had a near tie of bf16 logits; SGLang's tower and language model
+round some values differently from transformers'). Exits non-zero on any error or mismatch.
 
 The seeded model has random weights: its text means nothing, its tokens are exact.
 """
@@ -27,11 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import requests  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402
-from monolithic import reference_tokens  # noqa: E402
 from transfer_large_image import DEFAULT_SET, make_image  # noqa: E402
-from workers import WorkerProcess, model_workers  # noqa: E402
+from workers import SGLANG_READY, WorkerProcess, free_port, start_together  # noqa: E402
 
+SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 P = "<|vision_start|><|image_pad|><|vision_end|>"
+# a worker stopped by SIGINT (WorkerProcess.stop) exits 0, or -2 where SGLang's launcher lets the
+# KeyboardInterrupt end it
+CLEAN_EXITS = {0, -2}
 QUICK_SET = [("448x448", [(448, 448)]), ("2x640x480", [(640, 480)] * 2)]
 
 
@@ -40,24 +52,59 @@ def prompt_for(images: int) -> str:
     return f"<|im_start|>user\n{marks}Describe {'it' if images == 1 else 'them'}.<|im_end|>\n<|im_start|>assistant\n"
 
 
+def start_workers(folder: str, encoder: str, encode_args: list[str], language_args: list[str],
+                  timeout: float) -> tuple[WorkerProcess, WorkerProcess]:
+    """The encode worker and SGLang's language server, started side by side (the language server
+    asks its encoders for their ``/health`` at the first request, not at start-up)."""
+    encode_port = free_port()
+    language = ["--model-path", folder, "--encoder-urls", f"http://127.0.0.1:{encode_port}", "--skip-server-warmup",
+                "--enable-metrics", *language_args]  # --enable-metrics: SGLang's time stamps in meta_info
+    encode, lang = start_together(
+        lambda: WorkerProcess("encode", "--model-path", folder, "--encoder", encoder, *encode_args, port=encode_port,
+                              command=SGLANG_LAUNCH, timeout=timeout),
+        lambda: WorkerProcess("language", *language, command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=timeout))
+    return encode, lang
+
+
+def ttft_split(meta: dict) -> dict:
+    """The time to first token of one response (SGLang's ``first_token_latency``, from the request's
+    arrival at its tokenizer manager), in ms, split by what the connector and SGLang put in
+    ``meta_info``: encode (the encoder's ``encode_ms``: decode, preprocess, tower), transfer (the
+    connector's ``transfer_ms``, from the room's start to the embedding assembled, less the
+    encoder's own work: the ``/encode`` call, the wire, the resume rounds), prefill (SGLang's
+    scheduler: first forward pass to the prefill's end) and other (the rest: SGLang's inputs,
+    its queue, waiting for pool blocks)."""
+    ttft = meta["first_token_latency"] * 1e3
+    split = {"ttft_ms": ttft, "encode_ms": meta["encode_ms"],
+             "transfer_ms": max(meta["transfer_ms"] - meta["encode_ms"], 0.0),
+             "prefill_ms": (meta["prefill_finished_time"] - meta["forward_entry_time"]) * 1e3}
+    split["other_ms"] = ttft - split["encode_ms"] - split["transfer_ms"] - split["prefill_ms"]
+    return {key: round(value, 1) for key, value in split.items()}
+
+
 def run(lang: WorkerProcess, rid: str, paths: list[str], new_tokens: int, timeout: float) -> dict:
     body = {"rid": rid, "text": prompt_for(len(paths)), "image_data": paths,
-            "sampling_params": {"max_new_tokens": new_tokens}}
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
     start = time.perf_counter()
-    answer = requests.post(f"{lang.url}/generate", json=body, timeout=timeout)
+    try:
+        answer = requests.post(f"{lang.url}/generate", json=body, timeout=timeout)
+    except requests.RequestException as exc:
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     if answer.status_code != 200:
         return {"error": f"{answer.status_code} {answer.text[:300]}"}
     out = answer.json()
     meta = out["meta_info"]
-    return {"image_tokens": meta["image_tokens"], "resume_rounds": meta["resume_rounds"],
-            "encode_ms": out["encode_ms"], "transfer_ms": max(out["transfer_ms"] - out["encoder_wait_ms"], 0.0),
-            "prefill_ms": meta["prefill_ms"], "ttft_ms": meta["first_token_ms"],
+    return {"image_tokens": meta["image_tokens"], "prompt_tokens": meta["prompt_tokens"],
+            "resume_rounds": meta["resume_rounds"], **ttft_split(meta),
             "e2e_ms": round((time.perf_counter() - start) * 1e3, 1), "output_ids": out["output_ids"],
             "text": out["text"], "prompt": body["text"]}
 
 
-def monolithic_tokens(folder: str, prompt: str, paths: list[str], new_tokens: int) -> list[int]:
-    """transformers' own Qwen2.5-VL, from the pixels, in this process."""
+def monolithic_check(folder: str, prompt: str, paths: list[str], got: list[int]) -> tuple[list[int], str | None]:
+    """transformers' own Qwen2.5-VL greedy ids for ``prompt`` with the images at ``paths`` (from the
+    pixels, in this process), and None when ``got`` is that output as ``monolithic.greedy_mismatch``
+    compares them, else what differs."""
+    from monolithic import greedy_generate, greedy_mismatch, reference_inputs
     from PIL import Image
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
@@ -65,8 +112,9 @@ def monolithic_tokens(folder: str, prompt: str, paths: list[str], new_tokens: in
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
     images = [Image.open(p).convert("RGB") for p in paths]
-    return reference_tokens(model, QwenVisionEncoder(folder), AutoTokenizer.from_pretrained(folder), prompt, images,
-                            new_tokens)
+    inputs = reference_inputs(QwenVisionEncoder(folder), AutoTokenizer.from_pretrained(folder), prompt, images)
+    reference = greedy_generate(model, inputs, len(got))
+    return reference.ids, greedy_mismatch(got, reference)
 
 
 def main() -> int:
@@ -75,11 +123,15 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a 448x448 image and a 2-image request only")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--check", default="448x448", help="the request checked against the monolithic model")
-    ap.add_argument("--worker-arg", action="append", default=[], help="extra flag for both workers")
+    ap.add_argument("--encoder", default="sglang", choices=["sglang", "qwen"],
+                    help="the encode worker's encoder: SGLang's own (default) or transformers' Qwen2.5-VL tower")
+    ap.add_argument("--encode-arg", action="append", default=[], help="extra flag for the encode worker")
+    ap.add_argument("--language-arg", action="append", default=[], help="extra flag for SGLang's language server")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", help="write the per-request results here")
     args = ap.parse_args()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # progress; the table goes to stdout
+    began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="epd-generate-") as tmp:
         folder = args.model_path
         if folder is None:
@@ -92,11 +144,18 @@ def main() -> int:
                 paths.append(f"{tmp}/{name}-{i}.png")
                 make_image(w, h, seed=10 * n + i).save(paths[-1])
             requests_set.append((name, paths))
-        log("starting the encode and language workers ...")
+        log("starting the encode worker and SGLang's language server ...")
         results = {}
-        with model_workers(folder, both=tuple(args.worker_arg), timeout=600, one_request=True) as (_, lang):
+        encode, lang = start_workers(folder, args.encoder, args.encode_arg, args.language_arg, args.timeout)
+        log(f"both up after {time.perf_counter() - began:.0f} s")
+        try:
+            # SGLang's encoder's first forward pass is several times slower than the next ones
+            warm_up = f"{tmp}/warm-up.png"
+            make_image(224, 224, seed=99).save(warm_up)
+            warm = run(lang, "warm-up", [warm_up], 1, args.timeout)
+            log("warm-up request (224x224, 1 token): " + (warm.get("error") or f"TTFT {warm['ttft_ms']:.0f} ms"))
             print(f"{'request':<12} {'tokens':>7} {'rounds':>6} {'encode':>7} {'transfer':>8} {'prefill':>8} "
-                  f"{'TTFT ms':>8}  output ids / text")
+                  f"{'other':>6} {'TTFT ms':>8}  output ids / text")
             for i, (name, paths) in enumerate(requests_set, start=1):
                 log(f"[{i}/{len(requests_set)}] {name} ...")
                 res = results[name] = run(lang, name, paths, args.new_tokens, args.timeout)
@@ -104,20 +163,35 @@ def main() -> int:
                     print(f"{name:<12} ERROR {res['error']}", flush=True)
                     continue
                 print(f"{name:<12} {res['image_tokens']:>7} {res['resume_rounds']:>6} {res['encode_ms']:>7.0f} "
-                      f"{res['transfer_ms']:>8.0f} {res['prefill_ms']:>8.0f} {res['ttft_ms']:>8.0f}  "
-                      f"{res['output_ids'][:8]}... {res['text'][:40]!r}", flush=True)
+                      f"{res['transfer_ms']:>8.0f} {res['prefill_ms']:>8.0f} {res['other_ms']:>6.0f} "
+                      f"{res['ttft_ms']:>8.0f}  {res['output_ids'][:8]}... {res['text'][:40]!r}", flush=True)
+        finally:
+            codes = lang.stop(), encode.stop()
         ok = all("error" not in r for r in results.values())
+        if not set(codes) <= CLEAN_EXITS:
+            ok = False
+            print(f"workers exited with {codes} (language, encode); logs: {lang.log_file.name}, {encode.log_file.name}")
         checked = results.get(args.check)
         if checked and "error" not in checked:
             log(f"running the monolithic model on {args.check} ...")
-            paths = dict(requests_set)[args.check]
-            expected = monolithic_tokens(folder, checked["prompt"], paths, args.new_tokens)
-            equal = expected == checked["output_ids"]
-            ok = ok and equal
-            print(f"monolithic check ({args.check}): {'tokens equal' if equal else 'TOKENS DIFFER'} "
-                  f"({len(checked['output_ids'])} disaggregated, {len(expected)} monolithic)")
+            expected, mismatch = monolithic_check(folder, checked["prompt"], dict(requests_set)[args.check],
+                                                  checked["output_ids"])
+            ok = ok and mismatch is None
+            if mismatch is not None:
+                verdict = f"TOKENS DIFFER: {mismatch}"
+            elif expected == checked["output_ids"]:
+                verdict = "tokens equal"
+            else:
+                step = next(i for i, (a, b) in enumerate(zip(checked["output_ids"], expected, strict=True)) if a != b)
+                verdict = f"tokens equal up to a near tie at step {step}"
+            print(f"monolithic check ({args.check}): {verdict} ({len(checked['output_ids'])} disaggregated, "
+                  f"{len(expected)} monolithic)")
+        elif args.check not in results:
+            ok = False
+            print(f"monolithic check: no request named {args.check}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    log(f"done in {time.perf_counter() - began:.0f} s")
     print(f"{sum('error' not in r for r in results.values())}/{len(results)} requests generated; "
           f"{'all checks passed' if ok else 'CHECKS FAILED'}")
     return 0 if ok else 1

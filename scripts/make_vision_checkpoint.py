@@ -1,6 +1,6 @@
 """Write the built-in seeded Qwen2.5-VL-geometry vision tower as a checkpoint folder.
 
-SGLang's launcher requires ``--model-path``; on a machine without real Qwen2.5-VL weights this
+For ``--encoder qwen --model-path DIR`` on a machine without real Qwen2.5-VL weights: this
 folder stands in (config.json + model.safetensors, vision tower only).
 """
 

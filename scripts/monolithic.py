@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from language_side.prompt import build_prompt
+from language_side.layout import image_token_count
 
 NEW_TOKENS = 24
+IMAGE_PAD = "<|image_pad|>"
 
 
 def reference_tokens(model, encoder, tokenizer, text: str, images, max_new_tokens: int = NEW_TOKENS) -> list[int]:
@@ -36,10 +37,19 @@ def reference_inputs(encoder, tokenizer, text: str, images) -> dict:
         inputs = encoder.processor(images=images, return_tensors="pt")
         kwargs = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
         grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
-    prompt = build_prompt(tokenizer, text, grids, max_length=1 << 20)
-    ids = torch.from_numpy(prompt.input_ids)[None]
-    mm_types = torch.from_numpy(prompt.image_mask.astype("int64"))[None]
+    ids = torch.tensor([expand_image_pads(tokenizer, text, grids)])
+    mm_types = (ids == tokenizer.convert_tokens_to_ids(IMAGE_PAD)).long()
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": mm_types, **kwargs}
+
+
+def expand_image_pads(tokenizer, text: str, grids: list[tuple[int, int, int]]) -> list[int]:
+    """``text``'s ids with each image's one ``<|image_pad|>`` repeated once per embedding row."""
+    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if tokens.count(pad) != len(grids):
+        raise ValueError(f"the prompt has {tokens.count(pad)} image placeholders for {len(grids)} images")
+    rows = iter(image_token_count(g) for g in grids)
+    return [t for token in tokens for t in ([pad] * next(rows) if token == pad else [token])]
 
 
 def sampled_frames(path: str) -> tuple[np.ndarray, dict]:

@@ -1,5 +1,5 @@
-"""Start encode/language workers as subprocesses (``python -m sglang_ext.launch_server``), or
-serve one in this process (the fast test tier)."""
+"""Start encode/language workers as subprocesses (``python -m sglang.launch_server``), or serve
+one in this process (the fast test tier)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -31,6 +31,7 @@ def free_port() -> int:
 
 
 SGLANG_READY = "The server is fired up and ready to roll!"  # what SGLang's server logs once it serves
+SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 
 
 # Where tests and scripts run their encoders: a language worker may be sent to any of them by a
@@ -42,16 +43,19 @@ PORT_ATTEMPTS = 3  # starts of a worker whose picked port turned out taken
 class WorkerProcess:
     """One worker process; ``url`` is its HTTP address once ``READY`` was printed."""
 
-    def __init__(self, mode: str, *extra: str, command: tuple[str, ...] = (sys.executable, "-m", "sglang_ext.launch_server"),
+    def __init__(self, mode: str, *extra: str, command: tuple[str, ...] = SGLANG_LAUNCH,
                  timeout: float = 120.0, env: dict[str, str] | None = None, bootstrap_port: int | None = None,
-                 port: int | None = None, trusted_media: bool = True, ready: str = "READY ") -> None:
-        """``command`` is what starts a worker: ours by default, or SGLang's launchers. It gets free
-        ports (HTTP, and bootstrap for an encode worker) unless ``port`` and ``bootstrap_port``
-        name them (a restart). An encode worker reads images under the temp directory and from
-        loopback URLs (where tests and scripts put them), and a language worker takes requests
-        naming encoders on loopback, unless ``trusted_media`` is false. It is
-        up once a log line starts with ``READY `` (ours), or holds ``ready`` (SGLang's own server:
-        :data:`SGLANG_READY`)."""
+                 port: int | None = None, trusted_media: bool = True, ready: str | None = None) -> None:
+        """``command`` is what starts a worker: SGLang's launcher (``sglang serve`` works the same).
+        It gets free ports (HTTP, and bootstrap for an encode worker) unless ``port`` and
+        ``bootstrap_port`` name them (a restart). An encode worker reads images under the temp
+        directory and from loopback URLs (where tests and scripts put them), and a language worker
+        takes requests naming encoders on loopback, unless ``trusted_media`` is false. It is up
+        once a log line starts with ``READY `` (our workers), or holds ``ready``: by default
+        :data:`SGLANG_READY` for a language worker with ``--model-path`` (SGLang's own server)."""
+        if ready is None:
+            sglang_server = mode == "language" and "--model-path" in extra and "--transfer-only" not in extra
+            ready = SGLANG_READY if sglang_server else "READY "
         self.mode, self.ready_marker = mode, ready
         for attempt in range(1, PORT_ATTEMPTS + 1):
             self.port = port or free_port()
@@ -133,25 +137,19 @@ def dump_live_workers(lines: int = 60, settle_s: float = 0.5) -> str:
                      + "".join(w.log[-lines:]) for w in alive)
 
 
-@contextmanager
-def model_workers(folder: str, *language_args: str, both: tuple[str, ...] = (), timeout: float = 120.0,
-                  one_request: bool = False) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
-    """An encode and a language worker on one checkpoint folder (``both``: flags for each;
-    ``one_request``: the language worker sends images to the encoder itself, ``--encoder-urls``);
-    stopped on leaving, and a worker that does not exit cleanly is an error."""
-    encode = WorkerProcess("encode", "--model-path", folder, *both, timeout=timeout)
-    try:
-        dispatch = ("--encoder-urls", encode.url) if one_request else ()
-        lang = WorkerProcess("language", "--model-path", folder, *both, *dispatch, *language_args, timeout=timeout)
-    except BaseException:
-        encode.stop()
-        raise
-    try:
-        yield encode, lang
-    finally:
-        codes = lang.stop(), encode.stop()
-    if codes != (0, 0):
-        raise RuntimeError(f"workers exited with {codes}:\n" + "".join(lang.log[-20:] + encode.log[-20:]))
+def start_together(*starts: Callable[[], WorkerProcess]) -> list[WorkerProcess]:
+    """The workers each of ``starts`` starts, started at once (two SGLang servers start in about
+    the time of one and a half on two cores); if one fails, those that started are stopped and
+    its error raised."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        starting = [pool.submit(start) for start in starts]
+    failed = [f.exception() for f in starting if f.exception() is not None]
+    if failed:
+        for f in starting:
+            if f.exception() is None:
+                f.result().stop()
+        raise failed[0]
+    return [f.result() for f in starting]
 
 
 class InProcessWorker:

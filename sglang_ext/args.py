@@ -26,14 +26,9 @@ from embedding_side.images import (
 )
 
 MODES = ("encode", "language")
-LANGUAGE_BACKENDS = ("sglang", "native")
-DEFAULT_KV_TOKENS = 65536
 ENCODERS = ("sglang", "qwen", "fake")
 DEFAULT_MAX_IMAGES = 16  # per request, as an encoder takes per /encode
 DEFAULT_MAX_BODY_BYTES = 64 << 20
-KV_HELP = ("bytes = tokens x 2 x layers x KV heads x head dim x dtype size: 2 KiB per token for the seeded "
-           "1-layer model, 56 KiB for Qwen2.5-VL-7B in bf16, so the default is 128 MiB or 3.5 GiB; the "
-           "worker prints its own at startup")
 
 
 @dataclass(frozen=True)
@@ -77,8 +72,9 @@ def shared_flags(d: ConnectorConfig | None = None) -> tuple[SharedFlag, ...]:
     d = ConnectorConfig.from_env() if d is None else d
     return (
         SharedFlag("--disaggregation-mode", dict(
-            choices=MODES, default=None, help="encode: vision encoder + bootstrap server; language: receives "
-            "embeddings and generates (or --encoder-only / --language-only, SGLang's names)"), None),
+            choices=MODES, default=None, help="encode: encoder + bootstrap server; language: SGLang's server fed "
+            "by the connector (or, without --model-path, a transfer-only receiver) (or --encoder-only / "
+            "--language-only, SGLang's names)"), None),
         SharedFlag("--encoder-only", dict(action="store_true", help="the same as --disaggregation-mode encode"), None),
         SharedFlag("--language-only", dict(action="store_true", help="the same as --disaggregation-mode language"),
                    None),
@@ -88,9 +84,9 @@ def shared_flags(d: ConnectorConfig | None = None) -> tuple[SharedFlag, ...]:
             "/v1/chat/completions), split by load, a failed part sent again to another encoder"),
             lambda urls: urls or None),
         SharedFlag("--port", dict(type=int, default=30000, help="HTTP port (default %(default)s)")),
-        SharedFlag("--model-path", dict(default=None, help="Qwen2.5-VL checkpoint folder (config.json + safetensors); "
-                                        "encode side loads its vision tower. Default: a built-in seeded small tower "
-                                        "with 7B geometry")),
+        SharedFlag("--model-path", dict(default=None, help="checkpoint folder (config.json + safetensors): the "
+                                        "encoder's model, the language server's model. Without it: the fake encoder "
+                                        "(--encoder fake) or a transfer-only receiver")),
         SharedFlag("--disaggregation-bootstrap-port", dict(
             type=int, default=8998, help="encode side: port of the bootstrap server (default %(default)s)")),
         SharedFlag("--disaggregation-transfer-backend", dict(
@@ -103,9 +99,6 @@ def shared_flags(d: ConnectorConfig | None = None) -> tuple[SharedFlag, ...]:
             nargs="+", metavar="HOST", help="encode side: http(s) images only from these host names (then no "
             "address check)"), lambda hosts: hosts or None),
         SharedFlag("--device", dict(default=None, help="where the models run: cpu (default) or cuda")),
-        SharedFlag("--max-total-tokens", dict(
-            type=int, default=None, metavar="TOKENS", help=f"language side: KV cache budget in tokens ({KV_HELP}); "
-            f"requests beyond it wait (default {DEFAULT_KV_TOKENS})")),
         *(SharedFlag(s.flag, setting_kwargs(s, d), _or_in_effect(s, d)) for s in SETTINGS if s.sglang and s.flag),
     )
 
@@ -116,21 +109,11 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
     if with_shared:
         for shared in shared_flags(d):
             parser.add_argument(shared.flag, **shared.kwargs)
-    e = parser.add_argument_group("language model (language side)")
-    e.add_argument("--language-backend", choices=LANGUAGE_BACKENDS, default=None,
-                   help="what generates: sglang = SGLang's own server (scheduler, paged KV, radix cache, chunked "
-                        "prefill, its native and OpenAI APIs) with embeddings from the resumable connector, the "
-                        "default under python -m sglang.launch_server / sglang serve; native = this project's "
-                        "engine (transformers), the only one of python -m sglang_ext.launch_server and of "
-                        "--language-model none")
-    e.add_argument("--language-model", choices=["auto", "transformers", "none"], default="auto",
-                   help="transformers: generate with the language model of --model-path; none: receive embeddings "
-                        "and answer their digest (transfer-only); auto: transformers when --model-path is given "
-                        "(default %(default)s)")
-    e.add_argument("--sleep-kv", choices=["keep", "recompute"], default="keep",
-                   help="sleep with preserve_state=true: keep each running request's KV cache in host memory, or "
-                        "drop it and recompute it at wake-up from the kept prompt embedding and the generated "
-                        "tokens (same tokens either way) (default %(default)s)")
+    e = parser.add_argument_group("language side (SGLang's server)")
+    e.add_argument("--transfer-only", action="store_true",
+                   help="no language model: receive each embedding a /generate names and answer its digest (the "
+                        "connector alone, for transfer tests and benchmarks); the mode of a language worker "
+                        "started without --model-path")
     e.add_argument("--image-embedding-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
                    help="with --encoder-urls: image embeddings kept for images sent again (data: URIs, keyed by a "
                         "hash of the image bytes and the encoders' preprocessing), least recently used dropped "

@@ -13,7 +13,9 @@ this module at start; it imports nothing heavy until asked for one of the two pa
   stand-in module provides those names, and declares the four operators other models' modules
   look up on ``torch.ops.sgl_kernel`` when imported; calling any of them raises
   :class:`CpuShimCalled`. It has no submodules, so ``import sgl_kernel.x`` fails as SGLang expects where a kernel is
-  optional (its layers then take their ``forward_native`` path).
+  optional (its layers then take their ``forward_native`` path). One operator is real:
+  ``murmur_hash32_cpu``, the hash of SGLang's seeded sampling (``sglang_ext/seeds.py``), in
+  torch integer ops, bit for bit its Triton kernel's.
 * torchvision's wheel here is a CUDA build whose C ops do not load; its Python part imports
   once the two operators its meta registrations name unconditionally (``torchvision::nms``,
   ``torchvision::qnms``) exist. Before torchvision is imported they are declared, with kernels
@@ -80,6 +82,9 @@ def _refuse(name: str):
 
 def _stand_in_sgl_kernel() -> types.ModuleType:
     _declare_ops("sgl_kernel", {name: f"{name}(Tensor[] args) -> Tensor" for name in SGL_KERNEL_OPS})
+    library = _LIBRARIES["sgl_kernel"]
+    library.define("murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor")
+    library.impl("murmur_hash32_cpu", murmur_hash32, "CompositeExplicitAutograd")
     module = types.ModuleType("sgl_kernel", "CPU stand-in for sgl_kernel (sglang_ext/cpu_shim.py)")
     for name in SGL_KERNEL_NAMES:
         setattr(module, name, _refuse(f"sgl_kernel.{name}"))
@@ -101,6 +106,38 @@ def _declare_ops(namespace: str, schemas: dict[str, str]) -> None:
         if not hasattr(getattr(torch.ops, namespace), name):
             library.define(schema)
             library.impl(name, _refuse(f"{namespace}::{name}"), "CompositeExplicitAutograd")
+
+
+_U32 = 0xFFFFFFFF
+
+
+def _mul32(a, b: int):
+    """``a * b mod 2**32`` for int64 tensors of 32-bit values, without leaving int64."""
+    return ((a & 0xFFFF) * b + ((((a >> 16) * b) & 0xFFFF) << 16)) & _U32
+
+
+def _rotl32(x, r: int):
+    return ((x << r) | (x >> (32 - r))) & _U32
+
+
+def _mix(h, k):
+    k = _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
+    return (_mul32(_rotl32(h ^ k, 13), 5) + 0xE6546B64) & _U32
+
+
+def murmur_hash32(seed, positions, col_indices):
+    """SGLang's ``murmur_hash32`` [rows, columns] over (seed low, seed high, position, column)
+    as 4-byte blocks, then MurmurHash3's finalisation; int64 holding the uint32 values."""
+    import torch
+
+    seed = seed.to(torch.int64)  # SGLang hands uint64; its bits are what is hashed
+    h = _mix(torch.zeros_like(seed), seed & _U32)
+    h = _mix(h, (seed >> 32) & _U32)
+    h = _mix(h, positions.to(torch.int64) & _U32)[:, None]
+    h = _mix(h, col_indices.to(torch.int64)[None, :] & _U32) ^ 16
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    return h ^ (h >> 16)
 
 
 def resample(waveform, orig_freq: int, new_freq: int, **_ignored):

@@ -29,7 +29,7 @@ def encoder_argv(argv: list[str]) -> list[str]:
 
 
 def standalone_server_args(args: argparse.Namespace):
-    """SGLang's parsed encoder flags for our own launcher (``python -m sglang_ext.launch_server``),
+    """SGLang's parsed encoder flags for a worker built from our own parser (the in-process tests),
     which has only ``--model-path`` and ``--device`` of them."""
     from sglang.srt.server_args import ServerArgs
 

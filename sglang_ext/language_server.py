@@ -48,7 +48,16 @@ from fastapi import Request  # SGLang's server is FastAPI; this module runs only
 from connector.failures import TransferFailure
 from sglang_ext.http_guards import BodyLimit, RetryAfter, ScrubErrors
 from sglang_ext.prompt_bounds import too_long
-from worker_infra.http import HTTPError, asleep_error, error_body, error_reply, sleep_params
+from worker_infra.http import (
+    BootstrapAllowList,
+    HTTPError,
+    asleep_error,
+    check_host,
+    check_room,
+    error_body,
+    error_reply,
+    sleep_params,
+)
 
 if TYPE_CHECKING:
     from language_side.worker import LanguageWorker
@@ -67,6 +76,7 @@ class Connected:
     ours: argparse.Namespace
     worker: LanguageWorker  # the connector's language side
     receiver: ResumableReceiver
+    allowed: BootstrapAllowList  # the encoders a two-request /generate may name
     # started on a disk checkpoint of SGLang's generations: the first wake-up submits them again
     restore_on_wake: bool
     restored: Restored | None = None
@@ -81,8 +91,16 @@ _here: Connected | None = None
 
 
 def arm(ours: argparse.Namespace) -> None:
-    """Our flags, for the tokenizer manager this process is about to start."""
+    """Our flags, for the tokenizer manager this process is about to start; the encoders they
+    name are checked now (a clear error before SGLang starts, not a traceback after). Nothing
+    that imports ``prometheus_client`` may be imported here: it picks its multiprocess mode at
+    import, before SGLang has set ``PROMETHEUS_MULTIPROC_DIR``, and SGLang's own tokenizer
+    metrics would then never reach ``/metrics``."""
     global _pending
+    try:
+        BootstrapAllowList(ours.allowed_bootstrap_hosts, ours.encoder_urls or [])  # each URL checked too
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     _pending = ours
 
 
@@ -156,9 +174,9 @@ def around_generate_request(original, manager, obj, *args, **kwargs):
     """A client asking again for a generation restored from disk gets its whole output; while the
     connector sleeps, a new request is refused at once (503, ``Retry-After``) instead of waiting
     in SGLang's pause without a bound (with ``--queue-while-sleeping`` it waits); a request naming
-    an encoder by ``bootstrap_*`` (the two-request flow, not served here yet) is refused (403);
-    every other request is SGLang's, with its image transfer in ``meta_info``. A refusal keeps its
-    status on every route (see :func:`with_status`)."""
+    its encoder by ``bootstrap_*`` (the two-request flow) is checked and marked for the receiver
+    (:func:`name_room`); every request is then SGLang's, with its image transfer in ``meta_info``.
+    A refusal keeps its status on every route (see :func:`with_status`)."""
     if _here is None:
         return original(manager, obj, *args, **kwargs)
     request = kwargs.get("request", args[0] if args else None)
@@ -169,12 +187,41 @@ def around_generate_request(original, manager, obj, *args, **kwargs):
         stream = _refused(asleep.kind.http_status, str(asleep))
     elif (why := too_long(obj, manager.context_len)) is not None:
         stream = _refused(400, why)
-    elif any(getattr(obj, f"bootstrap_{name}", None) is not None for name in ("host", "port", "room")):
-        stream = _refused(403, "bootstrap_host/bootstrap_port/bootstrap_room (the two-request flow) are not served "
-                               "by this language server: send the images in image_data (or image_url parts)")
     else:
-        stream = _here.receiver.annotated(obj, original(manager, obj, *args, **kwargs))
+        try:
+            name_room(obj, _here.allowed, _here.receiver.room_marker)
+            stream = _here.receiver.annotated(obj, original(manager, obj, *args, **kwargs))
+        except HTTPError as exc:
+            stream = _refused(exc.status, exc.message)
     return with_status(stream, _openai_route(request))
+
+
+def name_room(obj, allowed: BootstrapAllowList, marker: str) -> None:
+    """The two-request flow: a ``/generate`` whose images a router sent to an encoder, naming that
+    encoder's bootstrap address and the room by ``bootstrap_host``/``bootstrap_port``/
+    ``bootstrap_room``, and its prompt's image placeholders in ``text`` or ``input_ids``. Checked
+    here (HTTPError 400; 403 for an encoder not allowed, before it is contacted); ``image_data``
+    becomes ``[marker]``, so SGLang hands the request to the receiver, which receives the room.
+    A request naming no encoder is left as it is."""
+    named = {name: getattr(obj, f"bootstrap_{name}", None) for name in ("host", "port", "room")}
+    if all(value is None for value in named.values()):
+        return
+    if any(value is None for value in named.values()):
+        raise HTTPError(400, "bootstrap_host, bootstrap_port and bootstrap_room go together (the two-request flow)")
+    if any(isinstance(value, list) for value in named.values()) or not isinstance(obj.text, str | None) or (
+            obj.input_ids and isinstance(obj.input_ids[0], list)):
+        raise HTTPError(400, "a batch cannot name encoders by bootstrap_*: send one /generate per prompt")
+    if any(getattr(obj, f"{kind}_data", None) is not None for kind in ("image", "video", "audio")):
+        raise HTTPError(400, "a request names its media in image_data (video_data, audio_data) or by the encoder's "
+                             "bootstrap_room, not both")
+    host, port = named["host"], named["port"]
+    if not isinstance(host, str):
+        raise HTTPError(400, "bootstrap_host must be a host name or address")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise HTTPError(400, "bootstrap_port must be in 1..65535")
+    check_room(named["room"])
+    allowed.check(check_host(host), port)
+    obj.image_data = [marker]
 
 
 async def around_openai_request(original, serving, request, *args, **kwargs):
@@ -183,6 +230,15 @@ async def around_openai_request(original, serving, request, *args, **kwargs):
     if _here is not None and (why := too_long(request, serving.tokenizer_manager.context_len)) is not None:
         return serving.create_error_response(why, status_code=400)
     return await original(serving, request, *args, **kwargs)
+
+
+async def _no_local_media(*args, **kwargs):
+    """In place of SGLang's own media processing, which it falls back to when the receiver has
+    nothing for a request it thinks has media: this server runs no vision tower."""
+    from sglang_ext.mm_receiver import EmbeddingUnavailable
+
+    raise EmbeddingUnavailable(400, "no image, video or audio reference could be read from this request (each must "
+                                    "be a path, URL or data: URI); this server does not process media itself")
 
 
 async def _refused(status: int, message: str):
@@ -245,7 +301,10 @@ def _start_receiver(ours: argparse.Namespace, manager):
     from_disk = starts_asleep(ours)
     if from_disk and not worker.is_sleeping():  # SGLang's generations wait for a wake-up, like the connector's
         worker.sleep(1, True)
-    _here = Connected(ours, worker, receiver, restore_on_wake=from_disk)
+    if manager.mm_processor is not None:  # SGLang's fallback when the receiver has nothing: never here
+        manager.mm_processor.process_mm_data_async = _no_local_media
+    _here = Connected(ours, worker, receiver, BootstrapAllowList(ours.allowed_bootstrap_hosts, ours.encoder_urls or []),
+                      restore_on_wake=from_disk)
     _add_routes(manager, worker, dispatch)
     kv = f"{manager.server_args.max_total_tokens} tokens (--max-total-tokens)"
     if ours.kv_budget is not None:

@@ -1,6 +1,10 @@
-"""Start an encode or language worker: ``python -m sglang_ext.launch_server --disaggregation-mode ...``.
+"""Our workers' runner: the encode worker, and the transfer-only receiver.
 
-Works without SGLang installed; the SGLang plugin calls :func:`run` with the flags SGLang parsed.
+``python -m sglang.launch_server --disaggregation-mode encode|language`` starts them: the SGLang
+plugin calls :func:`run` with the flags SGLang parsed (or, for a worker without a checkpoint,
+with :func:`parse`'s). A language worker with a checkpoint is SGLang's own server, not run here.
+``python -m sglang_ext.launch_server`` is an alias that runs SGLang's launcher with the same
+arguments.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sglang_ext.args import DEFAULT_KV_TOKENS, add_worker_args, connector_config, resolve_mode
+from sglang_ext.args import add_worker_args, connector_config, resolve_mode
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -40,9 +44,6 @@ class Built:
 def build(args: argparse.Namespace) -> Built:
     """The worker ``args`` ask for and its app: what :func:`run` serves, and what the fast test
     tier serves in-process."""
-    if getattr(args, "language_backend", None) == "sglang":
-        raise SystemExit("error: --language-backend sglang runs SGLang's own server: start it with "
-                         "python -m sglang.launch_server --disaggregation-mode language (this launcher runs native)")
     try:
         config = connector_config(args)
     except ValueError as exc:
@@ -65,41 +66,20 @@ def build(args: argparse.Namespace) -> Built:
                  f"zmq=tcp://{config.host}:{worker.sender.rank_port} encoder={encoder.name}")
         return Built(worker, build_app(worker, args.admin_api_key), config, extra)
 
-    from language_side.consumers import EmbeddingCopy
-    from language_side.http_api import build_app
+    from language_side.transfer_only_api import build_app
     from language_side.worker import LanguageWorker
     from worker_infra.http import BootstrapAllowList
 
+    if args.encoder_urls:
+        raise SystemExit("error: --encoder-urls needs the language model (--model-path): a transfer-only receiver "
+                         "has no prompt to put images in")
     try:
-        allowed = BootstrapAllowList(args.allowed_bootstrap_hosts, args.encoder_urls or [])
+        allowed = BootstrapAllowList(args.allowed_bootstrap_hosts, [])
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    service = _generation_service(args, config)
-    worker = LanguageWorker(config, checkpoint_dir=args.checkpoint_dir, queue_while_sleeping=args.queue_while_sleeping,
-                            consumer=EmbeddingCopy() if service else None, generations=service)
-    extra = f" zmq=tcp://{config.host}:{worker.receivers.rank_port}"
-    if service is not None:
-        model = service.model
-        extra += (f" model={args.model_path} ({model.dtype}, {args.device or 'cpu'}) kv_budget="
-                  f"{service.engine.kv_budget} tokens ({service.engine.kv_budget * model.kv_bytes_per_token / 2**20:.0f}"
-                  f" MiB)")
-    dispatch = None
-    if args.encoder_urls:
-        from language_side.dispatch import EncoderDispatch
-        from language_side.embedding_cache import EmbeddingCache
-
-        if service is None:
-            worker.close()
-            raise SystemExit("--encoder-urls needs the language model (--model-path): a transfer-only worker "
-                             "has no prompt to put images in")
-        try:
-            dispatch = EncoderDispatch(args.encoder_urls, worker, EmbeddingCache(args.image_embedding_cache_bytes))
-        except ValueError as exc:
-            worker.close()
-            raise SystemExit(f"error: {exc}") from None
-        extra += f" encoders={','.join(args.encoder_urls)}"
-    return Built(worker, build_app(worker, allowed, service, dispatch, args.model_path or "", args.admin_api_key),
-                 config, extra)
+    worker = LanguageWorker(config, checkpoint_dir=args.checkpoint_dir, queue_while_sleeping=args.queue_while_sleeping)
+    return Built(worker, build_app(worker, allowed, args.admin_api_key), config,
+                 f" zmq=tcp://{config.host}:{worker.receivers.rank_port} transfer-only")
 
 
 def _encoder(args: argparse.Namespace, config: ConnectorConfig):
@@ -125,7 +105,9 @@ def _encoder(args: argparse.Namespace, config: ConnectorConfig):
 
 
 def run(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # force: SGLang's launcher configured the root logger already (without the level in each line)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)
     # `kill -USR1 <pid>` writes every thread's stack to the log: where a stuck worker stands.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from worker_infra.http import serve
@@ -181,30 +163,9 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _generation_service(args: argparse.Namespace, config):
-    """The language engine of ``--model-path``, or None for transfer-only serving."""
-    wanted = args.language_model == "transformers" or (args.language_model == "auto" and args.model_path)
-    if not wanted:
-        return None
-    if not args.model_path:
-        raise SystemExit("--language-model transformers needs --model-path (a Qwen2.5-VL checkpoint folder; "
-                         "scripts/make_checkpoint.py writes the seeded one)")
-    from transformers import AutoTokenizer
-
-    from language_side.model import LanguageModel
-    from language_side.serving import GenerationService
-
-    model = LanguageModel(args.model_path, args.device or "cpu")
-    if model.hidden_size != config.hidden_size:
-        raise SystemExit(f"the language model's hidden size is {model.hidden_size} but embeddings are "
-                         f"{config.hidden_size} wide: pass --hidden-size {model.hidden_size} to both workers")
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-    return GenerationService(model, tokenizer, args.max_total_tokens or DEFAULT_KV_TOKENS, config.max_queued_requests,
-                             args.sleep_kv)
-
-
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m sglang_ext.launch_server", description=__doc__.splitlines()[0])
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Our flags alone, for a worker without a checkpoint (SGLang's parser needs one)."""
+    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server", description=__doc__.splitlines()[0])
     add_worker_args(parser)
     args = parser.parse_args(argv)
     args.disaggregation_mode = resolve_mode(args)
@@ -212,7 +173,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(parse(argv))
+    """The alias: SGLang's launcher, with the same arguments (one launcher for every worker)."""
+    argv = sys.argv[1:] if argv is None else argv
+    os.execv(sys.executable, [sys.executable, "-m", "sglang.launch_server", *argv])
 
 
 if __name__ == "__main__":

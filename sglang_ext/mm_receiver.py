@@ -6,7 +6,8 @@ the multimodal inputs it returns to the scheduler: that call is the hook. Here i
 request's images, videos and audio clips to the encoders of ``--encoder-urls`` (split by load,
 failover, the embedding cache for images: :class:`language_side.dispatch.EncoderDispatch`),
 receives each part through as many resume rounds as it needs into this worker's block-aligned
-pool, and builds SGLang's inputs from the rows and their layout (grids, video timestamps or
+pool (or, for a request that names its encoder by ``bootstrap_*``, the two-request flow,
+receives the room that encoder was sent by a router), and builds SGLang's inputs from the rows and their layout (grids, video timestamps or
 seconds per temporal patch, audio token counts) with the model's own processor
 (``get_validated_mm_data``: placeholder expansion, M-RoPE positions, row counts checked). From there the request is SGLang's: radix
 cache (the item hash is the embedding's), chunked prefill, continuous batching.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -29,12 +31,13 @@ import torch
 
 from connector.failures import TransferFailure
 from language_side.dispatch import Embedded, EncoderDispatch, ImageRefused
+from language_side.layout import LayoutError
 
 log = logging.getLogger(__name__)
 
 # What a response's meta_info gets of its images' transfer (the names our native worker uses).
 TRANSFER_META = ("resume_rounds", "transfer_ms", "encode_ms", "encoder_wait_ms", "queue_ms", "encoder_retries",
-                 "cached_images")
+                 "cached_images", "sha256")  # sha256: of a two-request room's rows, as the encoder's answer has it
 
 
 MODALITIES = ("image", "video", "audio")
@@ -117,6 +120,9 @@ class ResumableReceiver:
         self._transfer_meta: dict[str, dict] = {}
         self._inputs: dict[str, tuple[np.ndarray, list]] = {}
         self._restored: dict[str, tuple[np.ndarray, list]] = {}  # rid -> its images' rows and grids, from disk
+        # The image_data a two-request /generate is given (language_server.name_room), so that
+        # SGLang hands it here: unguessable, so no client's image reference is taken for it
+        self.room_marker = f"epd-room:{secrets.token_hex(16)}"
 
     async def recv_mm_data(self, request_obj, mm_processor, prompt, need_wait_for_mm_inputs: bool = True):
         sources = {kind: media_sources(getattr(request_obj, f"{kind}_data"), kind) for kind in MODALITIES}
@@ -132,6 +138,8 @@ class ResumableReceiver:
         rid = str(request_obj.rid)
         if (restored := self._restored.pop(rid, None)) is not None:
             embedded = {"image": Embedded(*restored)}
+        elif sources["image"] == [self.room_marker]:
+            embedded = {"image": await self._receive_room(rid, request_obj)}
         else:
             embedded = await self._embed(rid, {kind: refs for kind, refs in sources.items() if refs})
         from sglang.srt.managers.schedule_batch import Modality
@@ -163,6 +171,14 @@ class ResumableReceiver:
         """bf16 bytes [tokens, 2 * hidden] as the model's dtype."""
         return torch.from_numpy(np.ascontiguousarray(rows)).view(torch.bfloat16).to(self.dtype)
 
+    async def _receive_room(self, rid: str, request_obj) -> Embedded:
+        """The room a two-request /generate names (checked by ``language_server.name_room``)."""
+        addr = f"{request_obj.bootstrap_host}:{request_obj.bootstrap_port}"
+        try:
+            return await self._tracked(rid, self.dispatch.receive_room(rid, addr, int(request_obj.bootstrap_room)))
+        except LayoutError as exc:
+            raise EmbeddingUnavailable(502, f"the embedding from the encoder at {addr} cannot be placed: {exc}") from None
+
     async def _embed(self, rid: str, sources: dict[str, list[str]]) -> dict[str, Embedded]:
         """The request's images, videos and audio clips, at the encoders at once; when one kind
         fails (or the request is aborted) the others are cancelled and waited for, their rooms
@@ -179,7 +195,12 @@ class ResumableReceiver:
                 await asyncio.gather(*kinds, return_exceptions=True)
                 raise
 
-        task = self._embedding[rid] = asyncio.ensure_future(every_kind())
+        return await self._tracked(rid, every_kind())
+
+    async def _tracked(self, rid: str, receiving):
+        """``receiving`` (a request's media on their way), abortable by ``rid`` (:meth:`abort`),
+        its failures as :class:`EmbeddingUnavailable` with their status."""
+        task = self._embedding[rid] = asyncio.ensure_future(receiving)
         try:
             return await task
         except ImageRefused as exc:

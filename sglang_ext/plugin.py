@@ -47,6 +47,9 @@ TORCH_NATIVE_EXTEND = ("sglang.srt.layers.attention.torch_native_backend.TorchNa
 VISION_SDPA = "sglang.srt.layers.attention.vision.VisionSdpaAttention.forward"  # the vision towers' CPU attention
 # Qwen2-Audio's encoder without its padding mask upstream (sglang_ext/qwen2_audio_mask.py)
 QWEN2_AUDIO_FEATURE = "sglang.srt.models.qwen2_audio.Qwen2AudioForConditionalGeneration.get_audio_feature"
+# every batch's sampling seeded per request (sglang_ext/seeds.py), in our language mode
+SAMPLING_BATCH_INFO = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch"
+SEEDED_DRAW = "sglang.srt.layers.sampler.multinomial_with_seed"  # torch.compile'd: eager on a CPU
 # SGLang transfer backends and the Mooncake protocol each maps to (None: from --mooncake-protocol)
 BACKENDS = {"mooncake": None, "mooncake_tcp": "tcp"}
 
@@ -80,6 +83,8 @@ def register() -> None:
     HookRegistry.register(QWEN2_AUDIO_FEATURE, _around_qwen2_audio_feature, HookType.AROUND)
     HookRegistry.register(OPENAI_REQUEST, _language_server_hook("around_openai_request"), HookType.AROUND)
     HookRegistry.register(RESOLVED_DICT, _after_resolved_dict, HookType.AFTER)
+    HookRegistry.register(SAMPLING_BATCH_INFO, _after_sampling_batch_info, HookType.AFTER)
+    HookRegistry.register(SEEDED_DRAW, _around_seeded_draw, HookType.AROUND)
 
 
 def _unsupported(message: str) -> None:
@@ -104,11 +109,17 @@ def _after_add_cli_args(_result, parser: argparse.ArgumentParser, *args, **kwarg
 
 
 def _around_prepare_server_args(original, argv, *args, **kwargs):
+    if without_checkpoint(argv):  # the fake encoder or a transfer-only receiver: SGLang's parser needs a model
+        from sglang_ext.launch_server import parse, run
+
+        run(parse(argv))
+        sys.exit(0)
     server_args = original(argv, *args, **kwargs)
     if our_mode(server_args) is None:
         return server_args
     ours = worker_args(server_args, argv)
-    if ours.language_backend == "sglang":  # SGLang's own server, fed by our connector
+    if ours.disaggregation_mode == "language" and not ours.transfer_only:  # SGLang's own server, fed by our connector
+        from sglang_ext import seeds
         from sglang_ext.language_flags import distributed_init_method, kv_default, sglang_argv
         from sglang_ext.language_server import arm
         from sglang_ext.redact import redact_command_line
@@ -118,6 +129,7 @@ def _around_prepare_server_args(original, argv, *args, **kwargs):
         distributed_init_method(argv)
         sglang_args._launch_command = redact_command_line(sglang_args.launch_command)
         arm(ours)
+        seeds.arm()
         return sglang_args
     if ours.disaggregation_mode == "encode" and ours.model_path and ours.encoder in (None, "sglang"):
         from sglang_ext.encoder_flags import encoder_argv
@@ -146,6 +158,21 @@ def _after_resolved_dict(result, *args, **kwargs):
     from sglang_ext.redact import redact_fields
 
     return redact_fields(result)
+
+
+def _after_sampling_batch_info(result, *args, **kwargs):
+    from sglang_ext import seeds
+
+    if not seeds.armed():  # another mode: SGLang's own sampling
+        return result
+    batch = kwargs.get("batch") or next(a for a in args if hasattr(a, "reqs"))  # args: (cls, batch, vocab_size)
+    return seeds.seed_every_request(result, batch)
+
+
+def _around_seeded_draw(original, *args, **kwargs):
+    from sglang_ext.seeds import eager_on_cpu
+
+    return eager_on_cpu(original, *args, **kwargs)
 
 
 def _around_torch_native_extend(original, *args, **kwargs):
@@ -192,9 +219,21 @@ def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
     for shared in shared_flags():
         if shared.from_sglang is not None:
             setattr(ours, shared.dest, shared.from_sglang(getattr(server_args, shared.dest, None)))
-    if ours.language_backend is None:
-        ours.language_backend = "native" if ours.disaggregation_mode != "language" or ours.language_model == "none" \
-            or not ours.model_path else "sglang"
-    if ours.language_backend == "sglang" and ours.language_model == "none":
-        raise SystemExit("error: --language-model none (transfer-only) runs on --language-backend native")
     return ours
+
+
+def without_checkpoint(argv: list[str]) -> bool:
+    """True when ``argv`` asks for one of our modes without ``--model-path``: what SGLang's parser
+    refuses, and what only our workers serve (the fake encoder, a transfer-only receiver)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--disaggregation-mode")
+    parser.add_argument("--encoder-only", action="store_true")
+    parser.add_argument("--language-only", action="store_true")
+    parser.add_argument("--model-path", "--model")
+    parser.add_argument("-h", "--help", action="store_true")
+    try:
+        seen, _ = parser.parse_known_args(argv)
+    except SystemExit:  # a malformed flag: SGLang's parser says what is wrong
+        return False
+    ours = seen.disaggregation_mode in OUR_MODES or seen.encoder_only or seen.language_only
+    return bool(ours) and not seen.model_path and not seen.help

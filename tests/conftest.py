@@ -8,6 +8,7 @@ subprocess from one fails it."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -72,16 +73,32 @@ class SerialLock:
                 fcntl.flock(main, fcntl.LOCK_UN)
 
 
-@pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Under xdist, a serial test runs alone. Outermost, so the wait is not counted against the
-    test's own timeout."""
+def _phase(item: pytest.Item, serial_phase: bool):  # noqa: ANN202
+    """Under xdist, the lock for one phase of ``item``: exclusive for a serial test's call (what
+    it times runs alone), shared otherwise. A serial module's set-up (its workers started) and
+    tear-down share the machine: nothing is timed there."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run is None:
+        return contextlib.nullcontext()
+    exclusive = serial_phase and any(item.get_closest_marker(name) for name in SERIAL_MARKERS)
+    return SerialLock(Path(tempfile.gettempdir()) / f"epd-tests-{run}").hold(exclusive)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _phase(item, serial_phase=False):
         yield
-        return
-    exclusive = any(item.get_closest_marker(name) for name in SERIAL_MARKERS)
-    with SerialLock(Path(tempfile.gettempdir()) / f"epd-tests-{run}").hold(exclusive):
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _phase(item, serial_phase=True):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    with _phase(item, serial_phase=False):
         yield
 
 
@@ -111,11 +128,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 # Seconds each of the slowest modules took in one serial run (2 cores), rounded. Under xdist's
 # --dist loadfile --no-loadscope-reorder a worker takes a whole module at a time, in collection
 # order: starting the long ones first keeps one worker from running the longest alone at the end.
-MODULE_SECONDS = {"test_sleep_generation": 520, "test_benchmarks_smoke": 290, "test_sleep_workers": 240,
-                  "test_openai_api": 180, "test_sglang_plugin": 80, "test_backpressure": 120,
-                  "test_faults_under_load": 110, "test_workers": 100, "test_language_model": 70,
-                  "test_sglang_language": 190, "test_no_silent_hang": 75, "test_sglang_encoder": 90,
-                  "test_sglang_minimax": 60, "test_sglang_audio": 70}
+MODULE_SECONDS = {"test_benchmarks_smoke": 450, "test_sleep_workers": 290, "test_sglang_language": 250,
+                  "test_openai_api": 200, "test_no_silent_hang": 160, "test_workers": 130, "test_backpressure": 120,
+                  "test_faults_under_load": 110, "test_sglang_plugin": 80, "test_sglang_two_request": 80,
+                  "test_sglang_encoder": 90, "test_sglang_minimax": 60, "test_sglang_audio": 70}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -387,7 +387,12 @@ class ForkEncoder(_ForkSide):
 
     def stage(self, room: int, tokens: int, seed: int, hold: bool = False) -> Embedding:
         """Put :func:`synthetic_embedding` into source blocks; returns it (for comparing)."""
-        emb = synthetic_embedding(tokens, self.pool.hidden_size, self.pool.dtype, seed)
+        return self.stage_embedding(room, synthetic_embedding(tokens, self.pool.hidden_size, self.pool.dtype, seed),
+                                    hold)
+
+    def stage_embedding(self, room: int, emb: Embedding, hold: bool = False) -> Embedding:
+        """Put ``emb`` into source blocks for ``room``; returns it."""
+        tokens = emb.num_tokens
         p = self.pool
         blocks = self.allocator.allocate(p.blocks_for(tokens))
         assert blocks is not None, "fork encoder pool too small"

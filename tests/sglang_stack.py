@@ -3,16 +3,14 @@ server, the connector between) share: the launcher, the prompt, the images and t
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import requests
-from monolithic import greedy_mismatch
+from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs
 from transfer_large_image import make_image
-from workers import WorkerProcess
+from workers import SGLANG_LAUNCH, WorkerProcess, start_together  # noqa: F401  (the modules import them here)
 
-SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 NEW_TOKENS = 12
 PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -99,3 +97,97 @@ def generate_as_reference(language: WorkerProcess, paths: list[str], rid: str, r
     body = answer.json()
     assert greedy_mismatch(body["output_ids"], reference(paths)) is None
     return body
+
+
+def image_reference(folder: str, model):
+    """``greedy(paths, new_tokens)``: transformers' monolithic greedy ids (a ``monolithic.Greedy``)
+    of :func:`prompt` with ``paths``, from the pixels, by ``model`` (Qwen2.5-VL on ``folder``)."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from embedding_side.encoders import QwenVisionEncoder
+
+    encoder, tokenizer = QwenVisionEncoder(folder), AutoTokenizer.from_pretrained(folder)
+
+    def greedy(paths: list[str], new_tokens: int = NEW_TOKENS) -> Greedy:
+        pictures = [Image.open(p).convert("RGB") for p in paths]
+        return greedy_generate(model, reference_inputs(encoder, tokenizer, prompt(len(paths)), pictures), new_tokens)
+
+    return greedy
+
+
+# ---- what test_openai_api and test_no_silent_hang share: several workers, the connector's state ----
+
+# SGLang's language server as these tests start it: a small KV pool, no warm-up (it starts faster)
+LANGUAGE_FLAGS = ("--max-total-tokens", "32768", "--skip-server-warmup")
+
+
+def qwen_encoder(folder: str, *flags: str, **kwargs) -> WorkerProcess:
+    """Our encode worker with transformers' Qwen2.5-VL tower (``--encoder qwen``: it starts in
+    seconds, faster than SGLang's own encoder, the launcher's default), through SGLang's launcher;
+    ``kwargs`` as :class:`WorkerProcess` takes them (a restart's ``port`` and ``bootstrap_port``)."""
+    return WorkerProcess("encode", "--model-path", folder, "--encoder", "qwen", *flags, command=SGLANG_LAUNCH, **kwargs)
+
+
+def language_server(folder: str, encoders: list[str], *flags: str) -> WorkerProcess:
+    """SGLang's own server as the language worker on ``folder``, sending images to ``encoders``
+    (their URLs), with :data:`LANGUAGE_FLAGS` and ``flags``."""
+    from workers import SGLANG_READY
+
+    return WorkerProcess("language", "--model-path", folder, *LANGUAGE_FLAGS, *flags, "--encoder-urls", *encoders,
+                         command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
+
+
+def metric(worker: WorkerProcess, name: str) -> float:
+    """The sum of the worker's ``/metrics`` samples whose line starts with ``name`` (a metric's
+    name, or its name and labels as the page writes them)."""
+    text = requests.get(f"{worker.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def connector_health(language: WorkerProcess) -> dict:
+    """The language server's connector: ``/epd/health`` (pool, rooms in each phase, failing encoders)."""
+    return requests.get(f"{language.url}/epd/health", timeout=10).json()
+
+
+def connector_idle(language: WorkerProcess, timeout: float = 30.0) -> dict:
+    """:func:`connector_health` once no image is being resolved, queued or transferred and every
+    block of the pool is free (as it stands after ``timeout`` seconds otherwise: callers assert)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        health = connector_health(language)
+        idle = not (health["resolving"] or health["queued"] or health["transferring"])
+        if (idle and health["free_blocks"] == health["num_blocks"]) or time.monotonic() > deadline:
+            return health
+        time.sleep(0.05)
+
+
+def connector_address(language: WorkerProcess) -> tuple[str, int, str]:
+    """``(host, port, session)``: where the language server's connector takes the encoders' ZMQ
+    messages, and its Mooncake session, as its log says when it starts."""
+    import re
+
+    for line in language.log:
+        if found := re.search(r"epd-resume: .*zmq=tcp://([\d.]+):(\d+) mooncake=(\S+)", line):
+            return found.group(1), int(found.group(2)), found.group(3)
+    raise AssertionError("the language server's log does not say where its connector listens")
+
+
+def text_reference(folder: str, model):
+    """``greedy(text, paths, new_tokens)``: transformers' monolithic greedy ids (a
+    ``monolithic.Greedy``) of the prompt ``text`` (one ``<|image_pad|>`` per image of ``paths``),
+    from the pixels, by ``model`` (Qwen2.5-VL on ``folder``): :func:`image_reference` for any prompt."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from embedding_side.encoders import QwenVisionEncoder
+
+    encoder, tokenizer = QwenVisionEncoder(folder), AutoTokenizer.from_pretrained(folder)
+
+    def greedy(text: str, paths: list[str], new_tokens: int = NEW_TOKENS) -> Greedy:
+        pictures = [Image.open(p).convert("RGB") for p in paths]
+        return greedy_generate(model, reference_inputs(encoder, tokenizer, text, pictures), new_tokens)
+
+    return greedy

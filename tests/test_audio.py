@@ -14,7 +14,7 @@ from embedding_side.audio import audio_format, open_audio
 from embedding_side.images import ImageInputError, MediaPolicy
 from embedding_side.positions import sequence_positions
 from language_side.dispatch import audio_layout
-from language_side.prompt import PromptError
+from language_side.layout import LayoutError
 
 pytestmark = pytest.mark.fast
 
@@ -62,7 +62,7 @@ def test_the_language_side_checks_an_audio_answer_before_placing_its_rows() -> N
     for bad, rows, clips in ((answer, 206, 2), (answer, 207, 1), ({"grid_thw": [[25]]}, 25, 1),
                              ({"grid_thw": [[0]], "audio_feature_lens": [1]}, 0, 1),
                              ({"grid_thw": [[25, 1]], "audio_feature_lens": [100]}, 25, 1)):
-        with pytest.raises(PromptError):
+        with pytest.raises(LayoutError):
             audio_layout(bad, rows, clips)
     fill, mrope, delta = sequence_positions(3, 7)
     assert fill.tolist() == [7, 7, 7] and mrope.tolist() == [[1, 2, 3]] * 3 and delta == 0

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
@@ -47,45 +49,64 @@ def test_bench_load_prints_a_row_per_level_and_the_completed_line(tmp_path: Path
     assert all(r["images_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] for r in rows)
 
 
-def test_bench_generate_quick_prints_the_ttft_split_and_the_engine_ratio(tmp_path: Path) -> None:
+@pytest.mark.sglang
+def test_bench_generate_quick_prints_the_ttft_split_and_the_ratio_against_sglangs_monolithic_server(
+        tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(SCRIPTS / "bench_generate.py"), "--quick", "--json",
                           str(tmp_path / "g.json"), "--plot", str(tmp_path / "g.png")],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert re.fullmatch(r"engine_vs_bare_decode_batch4=\d+\.\d+", out.stdout.strip().splitlines()[-1])
-    rows = json.loads((tmp_path / "g.json").read_text())
-    [ttft] = rows["ttft"]
-    assert ttft["image_tokens"] == 256 and all(ttft[k] > 0 for k in ("encode_ms", "transfer_ms", "prefill_ms"))
-    assert ttft["encode_ms"] + ttft["transfer_ms"] + ttft["prefill_ms"] < ttft["ttft_ms"]
-    assert [r["batch"] for r in rows["decode"]] == [1, 4] and all(r["engine_tokens_per_s"] > 0 for r in rows["decode"])
+    lines = out.stdout.strip().splitlines()
+    assert re.fullmatch(r"epd_vs_monolithic_ttft_448x448=\d+\.\d+", lines[-1])
+    assert re.match(r" +448x448 +256 +0 \|", lines[-2]), lines[-2]
+    [row] = json.loads((tmp_path / "g.json").read_text())
+    assert row["image_tokens"] == 256 and row["resume_rounds"] == 0 and row["reps"] == 1
+    epd, mono = row["epd"], row["monolithic"]
+    assert all(epd[k] > 0 for k in ("ttft_ms", "encode_ms", "prefill_ms")) and epd["transfer_ms"] >= 0
+    assert epd["encode_ms"] + epd["transfer_ms"] + epd["prefill_ms"] < epd["ttft_ms"]
+    assert all(mono[k] > 0 for k in ("ttft_ms", "preprocess_ms", "prefill_ms"))
+    assert mono["preprocess_ms"] + mono["prefill_ms"] < mono["ttft_ms"]
+    assert row["ratio"] == pytest.approx(epd["ttft_ms"] / mono["ttft_ms"], rel=0.01)
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_main_job_generates_and_matches_the_monolithic_model(tmp_path: Path) -> None:
+@pytest.mark.sglang
+def test_the_main_job_generates_on_sglangs_server_and_matches_the_monolithic_model(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(SCRIPTS / "generate_from_images.py"), "--quick", "--json",
-                          str(tmp_path / "m.json")], capture_output=True, text=True, timeout=600)
+                          str(tmp_path / "m.json")], capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert lines[-2] == "monolithic check (448x448): tokens equal (16 disaggregated, 16 monolithic)"
+    # SGLang's language model rounds some bf16 values differently from transformers': equal, or
+    # equal up to a step where the reference had a near tie (monolithic.greedy_mismatch)
+    assert re.fullmatch(r"monolithic check \(448x448\): tokens equal( up to a near tie at step \d+)? "
+                        r"\(16 disaggregated, 16 monolithic\)", lines[-2]), lines[-2]
     assert lines[-1] == "2/2 requests generated; all checks passed"
+    assert [line.split()[:3] for line in lines[1:3]] == [["448x448", "256", "0"], ["2x640x480", "782", "0"]]
     results = json.loads((tmp_path / "m.json").read_text())
     assert [r["image_tokens"] for r in results.values()] == [256, 782]
-    assert all(len(r["output_ids"]) == 16 and r["encode_ms"] > 0 for r in results.values())
+    assert all(len(r["output_ids"]) == 16 and r["encode_ms"] > 0 and r["prefill_ms"] > 0 and r["transfer_ms"] >= 0
+               and r["encode_ms"] + r["transfer_ms"] + r["prefill_ms"] < r["ttft_ms"] for r in results.values())
 
 
-def test_bench_sleep_generations_prints_each_modes_row_and_the_ratio_with_a_7bs_kv(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_sleep.py"), "--parts", "generations", "--counts", "1",
-                          "--reps", "1", "--kv-shape", "7b", "--json", str(tmp_path / "s.json")], capture_output=True,
-                         text=True, timeout=600)
+@pytest.mark.sglang
+def test_bench_sleep_prints_level_1_and_level_2_mid_decode_and_the_ratio(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_sleep.py"), "--counts", "1", "--reps", "1",
+                          "--new-tokens", "48", "--json", str(tmp_path / "s.json")], capture_output=True, text=True,
+                         timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert re.fullmatch(r"keep_sleep_wake_vs_memcpy_7b_1=\d+\.\d+", out.stdout.strip().splitlines()[-1])
-    rows = {r["mode"]: r for r in json.loads((tmp_path / "s.generations.json").read_text())}
-    assert set(rows) == {"keep", "keep+disk", "recompute+disk"}
-    assert rows["keep"]["kv_bytes"] > 0 and rows["recompute+disk"]["kv_bytes"] == 0  # recompute keeps none
-    assert rows["keep"]["kv_bytes"] % (28 * 2 * 4 * 128 * 2) == 0  # whole tokens of the 7B's KV: 56 KiB each
-    assert rows["keep"]["checkpoint_bytes"] == 0  # no --checkpoint-dir
-    assert rows["keep+disk"]["checkpoint_bytes"] > rows["recompute+disk"]["checkpoint_bytes"] > 0
-    assert all(r["next_token_s"] > 0 and r["itl_s"] > 0 for r in rows.values())
+    lines = out.stdout.strip().splitlines()
+    assert re.fullmatch(r"level2_vs_level1_sleep_wake_1=\d+\.\d+", lines[-1])
+    assert [line.split()[:3] for line in lines[-3:-1]] == [["level", "1", "1"], ["level", "2", "1"]]
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "s.json").read_text())["summary"]}
+    assert set(rows) == {"level 1", "level 2"}
+    level1, level2 = rows["level 1"], rows["level 2"]
+    # in place: nothing recomputed, and the stream ends with the ids of its run without a sleep
+    assert level1["retractions"] == 0 and level1["equal"] == level1["of"] == 1
+    assert level2["retractions"] >= 1  # retracted: its KV freed, recomputed at wake-up
+    assert level1["kv_bytes"] > 0 and level2["kv_bytes"] > 0  # the streams' KV when the sleep came
+    assert all(r["sleep_s"] > 0 and r["wake_s"] > 0 and r["next_token_s"] > 0 and r["itl_s"] > 0
+               for r in rows.values())
+    assert level2["ratio"] > 0 and level1["ratio"] == 1.0
 
 
 def test_bench_embedding_cache_prints_the_turns_and_the_ratio(tmp_path: Path) -> None:
@@ -95,3 +116,16 @@ def test_bench_embedding_cache_prints_the_turns_and_the_ratio(tmp_path: Path) ->
     assert re.fullmatch(r"cache_ttft_turn2_ratio=\d+\.\d+", out.stdout.strip().splitlines()[-1])
     rows = json.loads((tmp_path / "c.json").read_text())
     assert [r["turn"] for r in rows["cache"]] == [1, 2, 3] == [r["turn"] for r in rows["no cache"]]
+
+
+@pytest.mark.sglang
+def test_bench_stall_prints_the_gaps_in_and_out_of_the_receive_windows_and_the_ratio(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_stall.py"), "--streams", "2", "--images", "1",
+                          "--quiet-s", "2", "--size", "1920x1080", "--json", str(tmp_path / "s.json")],
+                         capture_output=True, text=True,
+                         timeout=280)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert re.fullmatch(r"stall_p99_ratio=\d+\.\d+", out.stdout.strip().splitlines()[-1])
+    row = json.loads((tmp_path / "s.json").read_text())
+    assert row["quiet_gaps"] > 10 and row["window_gaps"] >= 1 and len(row["windows_ms"]) == 1
+    assert row["windows_ms"][0] > 0  # the receive window follows the encode, within transfer_ms

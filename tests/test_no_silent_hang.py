@@ -2,7 +2,8 @@
 within a bound that follows from the configured heartbeat and attempts
 (``docs/failure_bounds.md``), while an encoder is frozen, control messages are forged, the
 language worker is frozen, and an encoder is killed, each under 16 concurrent clients of the
-one-request flow (real processes: two encode workers, one language worker, the seeded model).
+one-request flow (real processes: two encode workers with transformers' Qwen2.5-VL tower, SGLang's
+own server as the language worker, the seeded model; SGLang's server started once for the module).
 
 The bound, per request: ``2 x`` the slowest answer without a fault (the surviving encoder
 carries the failed one's parts too) ``+ ATTEMPTS x DETECT`` (each attempt of a part is known
@@ -14,6 +15,7 @@ was frozen ``+ SLACK`` for a loaded 2-core machine.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -25,14 +27,22 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import zmq
-from test_generate_api import P, metric
+from sglang_stack import (
+    connector_address,
+    connector_health,
+    language_server,
+    metric,
+    prompt,
+    qwen_encoder,
+    start_together,
+)
 from transfer_large_image import make_image
 from workers import WorkerProcess
 
 from connector.messages import RegisterMsg, StatusMsg
 from connector.poll import KVPoll
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.sglang]
 
 INTERVAL, MISSES, ATTEMPTS = 0.5, 2, 3  # --heartbeat-interval, --heartbeat-max-failure, attempts (min(3, 2) = 2 here: looser)
 ACK = 2.0  # --abort-ack-timeout: blocks a frozen encoder may still write into wait this long for its ack
@@ -40,7 +50,7 @@ HEARTBEAT = ("--heartbeat-interval", str(INTERVAL), "--heartbeat-max-failure", s
              "--abort-ack-timeout", str(ACK))
 DETECT = INTERVAL * (MISSES + 2)  # MISSES probes missed, each waiting up to INTERVAL, one interval apart
 SLACK = 4.0
-PROMPT = f"<|im_start|>user\n{P}What is it?<|im_end|>\n<|im_start|>assistant\n"
+PROMPT = prompt(1)
 SIZES = [(2560, 1440), (1920, 1080), (1600, 1200), (1280, 960)]
 
 
@@ -55,15 +65,19 @@ def image_paths(tmp_path_factory) -> list[str]:
     paths = []
     for i in range(16):
         paths.append(str(root / f"{i}.png"))
-        make_image(*SIZES[i % len(SIZES)], seed=700 + i).save(paths[-1])
+        make_image(*SIZES[i % len(SIZES)], seed=700 + i).save(paths[-1], compress_level=1)  # written fast
     return paths
 
 
 @pytest.fixture(scope="module")
 def cluster(folder):
-    encoders = [WorkerProcess("encode", "--model-path", folder, *HEARTBEAT) for _ in range(2)]
-    lang = WorkerProcess("language", "--model-path", folder, *HEARTBEAT, "--image-embedding-cache-bytes", "0",
-                         "--encoder-urls", *[e.url for e in encoders])
+    encoders = start_together(*[functools.partial(qwen_encoder, folder, *HEARTBEAT) for _ in range(2)])
+    try:
+        lang = language_server(folder, [e.url for e in encoders], *HEARTBEAT, "--image-embedding-cache-bytes", "0")
+    except BaseException:
+        for e in encoders:
+            e.stop()
+        raise
     try:
         yield encoders, lang
     finally:
@@ -120,10 +134,12 @@ def assert_answered_within(answers: list[tuple[int, float, str]], limit: float, 
 
 
 def wait_settled(worker: WorkerProcess, timeout: float = 20.0) -> dict:
-    """The worker's /health once it holds no room and every block is free."""
+    """The worker's health (an encoder's /health, the language server's connector's /epd/health)
+    once it holds no room and every block is free."""
     deadline = time.monotonic() + timeout
     while True:
-        health = requests.get(f"{worker.url}/health", timeout=10).json()
+        health = connector_health(worker) if worker.mode == "language" else requests.get(
+            f"{worker.url}/health", timeout=10).json()
         idle = health.get("active_rooms", 0) == 0 and health.get("transferring", 0) == 0
         if idle and health["free_blocks"] == health["num_blocks"]:
             return health
@@ -138,12 +154,12 @@ def test_a_frozen_encoder_costs_no_client_more_than_the_bound(cluster, image_pat
     encoders, lang = cluster
     frozen = encoders[0]
     retries = metric(lang, "epd_encoder_retries_total")
-    # Thawed once every client has its answer (or after 60 s, far past the bound, when one waits
-    # for the frozen encoder, as before): no answer can have come from it.
-    thaw = threading.Timer(60.0, lambda: os.kill(frozen.proc.pid, signal.SIGCONT))
+    # Thawed once every client has its answer (or 30 s past the bound, when one waits for the
+    # frozen encoder, as before): no answer can have come from it.
+    thaw = threading.Timer(bound + 30.0, lambda: os.kill(frozen.proc.pid, signal.SIGCONT))
     try:
         answers = run_16(lang, image_paths, lambda: (os.kill(frozen.proc.pid, signal.SIGSTOP), thaw.start()))
-        health = requests.get(f"{lang.url}/health", timeout=10).json()
+        health = connector_health(lang)
     finally:
         thaw.cancel()
         os.kill(frozen.proc.pid, signal.SIGCONT)
@@ -165,8 +181,7 @@ def test_forged_registers_and_frames_cost_no_client_anything(cluster, image_path
     Before, the encoders took the first: every later init of the real worker was refused and
     its clients waited for the bootstrap timeout."""
     encoders, lang = cluster
-    session = re.search(r"mooncake=(\S+)", lang.ready_line).group(1)
-    lang_host, lang_port = re.search(r"zmq=tcp://([\d.]+):(\d+)", lang.ready_line).groups()
+    lang_host, lang_port, session = connector_address(lang)
     ctx = zmq.Context()
     try:
         stranger = ctx.socket(zmq.PULL)
@@ -199,15 +214,17 @@ def test_forged_registers_and_frames_cost_no_client_anything(cluster, image_path
         text = requests.get(f"{enc.url}/metrics", timeout=10).text
         refused = re.search(r'epd_rejected_messages_total\{reason="register_takeover",role="encode"\} (\S+)', text)
         assert refused and float(refused.group(1)) >= 1, "the forged register was not refused"
-    assert requests.get(f"{lang.url}/health", timeout=10).json()["status"] == "ok"
+    assert connector_health(lang)["status"] == "ok"
 
 
 def test_the_language_worker_frozen_for_3s_answers_every_client_within_the_bound(cluster, image_paths, bound) -> None:
-    """The encoders find the frozen language worker dead (its pings unanswered) and end its rooms;
-    once it runs again its parts go out again: each client gets its answer or a clear error."""
+    """The language server's main process is stopped (SGLang's HTTP server and tokenizer manager,
+    and the connector; SGLang's scheduler runs on): the encoders find it dead (their pings
+    unanswered) and end its rooms; once it runs again its parts go out again: each client gets
+    its answer or a clear error."""
     encoders, lang = cluster
     frozen_for = 3.0
-    endpoint = re.search(r"zmq=tcp://([\d.]+:\d+)", lang.ready_line).group(1)
+    endpoint = "{}:{}".format(*connector_address(lang)[:2])
     thaw = threading.Timer(frozen_for, lambda: os.kill(lang.proc.pid, signal.SIGCONT))
     reported: list[dict] = []
 

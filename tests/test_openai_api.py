@@ -1,8 +1,15 @@
-"""One request in: a language worker with ``--encoder-urls`` takes OpenAI requests (the official
-``openai`` client, unmodified) and SGLang's ``image_data``, sends the images to its encoders
-itself (split across them, a failed part sent again elsewhere) and answers exactly what the
-two-request flow answers for the same prompt and images (real processes: two encode workers,
-one language worker)."""
+"""One request in: SGLang's own server as the language worker, with ``--encoder-urls``, takes OpenAI
+requests (the official ``openai`` client, unmodified) and SGLang's ``image_data``, sends the
+images to its encoders itself (split across them, a failed part sent again elsewhere: our
+``EncoderDispatch`` under SGLang's tokenizer manager) and answers what SGLang's ``/generate``
+answers for the same prompt and images, whose ids are transformers' monolithic greedy ones
+(``monolithic.greedy_mismatch``).
+
+Real processes, started once for the module: three encode workers (transformers' Qwen2.5-VL
+tower, ``--encoder qwen``) and two SGLang language servers, started side by side: the first
+sends to encoders 0 and 1, the second to encoder 0 (through a relay in this process, which a
+test makes lie about the embedding's digest), 1 and 2.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +23,24 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
 import requests
-from test_generate_api import P, generate, images, metric, wait_idle  # noqa: F401  (fixture)
+from monolithic import greedy_mismatch
+from sglang_stack import (
+    IMAGE,
+    connector_idle,
+    generate,
+    language_server,
+    metric,
+    qwen_encoder,
+    start_together,
+    text_reference,
+    write_images,
+)
 from transfer_large_image import make_image
 from workers import WorkerProcess
 
@@ -29,31 +48,108 @@ from connector.failures import FailureKind, TransferFailure
 from language_side.dispatch import Encoder, EncoderDispatch, _EncoderFault
 from language_side.embedding_cache import EmbeddingCache
 
-MESSAGES = [{"role": "system", "content": "Be brief."}]
+pytestmark = pytest.mark.sglang
+
+SYSTEM = "Be brief."
+MESSAGES = [{"role": "system", "content": SYSTEM}]
+# the chat template's prompt for MESSAGES and one user turn (what SGLang renders for chat_messages)
+CHAT = "<|im_start|>system\n" + SYSTEM + "<|im_end|>\n<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
+MAX_IMAGES = 40  # --max-images-per-request of the first server: the split test sends 40
 
 
 @pytest.fixture(scope="module")
 def folder(seeded_checkpoint) -> str:
-    return seeded_checkpoint(3584)
+    return seeded_checkpoint(256, layers=2)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> dict[str, str]:
+    paths = write_images(tmp_path_factory.mktemp("openai-images"))
+    paths["224x224"] = str(Path(paths["other"]).with_name("224x224.png"))
+    make_image(224, 224, seed=1).save(paths["224x224"])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return text_reference(folder, Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval())
+
+
+class Relay:
+    """An encoder's HTTP API passed through (``/health``, ``/encode``) from a port of its own;
+    with ``lying`` set, each ``/encode`` answer reports another digest than the embedding's."""
+
+    def __init__(self, target: str) -> None:
+        self.lying = False
+        relay = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _reply(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:  # noqa: N802
+                answer = requests.get(target + self.path, timeout=10)
+                self._reply(answer.status_code, answer.content)
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                answer = requests.post(target + self.path, data=body, headers={"Content-Type": "application/json"},
+                                       timeout=120)
+                if answer.status_code != 200 or not relay.lying:
+                    return self._reply(answer.status_code, answer.content)
+                self._reply(200, json.dumps(answer.json() | {"sha256": "0" * 64}).encode())
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@dataclass
+class Cluster:
+    encoders: list[WorkerProcess]  # 0 and 1: the first server's; 0 (through the relay), 1 and 2: the second's
+    lang: WorkerProcess
+    second: WorkerProcess
+    relay: Relay  # in front of encoder 0, for the second server
 
 
 @pytest.fixture(scope="module")
 def cluster(folder):
-    """Two encode workers and a language worker that knows them (and can be used for the
-    two-request flow too, with the first encoder)."""
-    encoders = [WorkerProcess("encode", "--model-path", folder) for _ in range(2)]
-    lang = WorkerProcess("language", "--model-path", folder, "--embedding-default-allocate-buffer-size", "128",
-                         "--encoder-urls", *[e.url for e in encoders])
+    encoders = start_together(*[functools.partial(qwen_encoder, folder) for _ in range(3)])
+    relay = Relay(encoders[0].url)
     try:
-        yield encoders, lang
-    finally:
-        lang.stop()
+        lang, second = start_together(
+            functools.partial(language_server, folder, [e.url for e in encoders[:2]], "--max-images-per-request",
+                              str(MAX_IMAGES)),
+            functools.partial(language_server, folder, [relay.url, encoders[1].url, encoders[2].url]))
+    except BaseException:
+        relay.close()
         for e in encoders:
             e.stop()
+        raise
+    cluster = Cluster(encoders, lang, second, relay)
+    try:
+        yield cluster
+    finally:
+        for worker in (lang, second, *cluster.encoders):
+            worker.stop()
+        relay.close()
 
 
-def client(lang) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{lang.url}/v1", api_key="none", max_retries=0)
+def client(lang: WorkerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{lang.url}/v1", api_key="none", max_retries=0, timeout=240)
 
 
 def data_uri(path: str) -> str:
@@ -65,120 +161,146 @@ def chat_messages(text: str, sources: list[str]) -> list[dict]:
     return MESSAGES + [{"role": "user", "content": parts}]
 
 
-def two_request(cluster, text: str, paths: list[str], max_tokens: int) -> dict:
-    """The same chat through the two-request flow (the first encoder, a shared room)."""
-    encoders, lang = cluster
-    content = [{"type": "image"} for _ in paths] + [{"type": "text", "text": text}]
-    return generate((encoders[0], lang), {"messages": MESSAGES + [{"role": "user", "content": content}],
-                                          "sampling_params": {"max_new_tokens": max_tokens}}, paths)
+def chat(lang: WorkerProcess, text: str, sources: list[str], max_tokens: int, **extra):
+    """A greedy chat of ``max_tokens`` (no EOS: every token comes) with ``sources`` before ``text``."""
+    return client(lang).chat.completions.create(model="qwen", messages=chat_messages(text, sources),
+                                                max_tokens=max_tokens, temperature=0,
+                                                extra_body={"ignore_eos": True}, **extra)
 
 
-def test_chat_with_images_streamed_or_not_answers_what_the_two_request_flow_does(cluster, images) -> None:  # noqa: F811
-    encoders, lang = cluster
-    paths = [images["square"], images["small"]]  # two images: one part per encoder
-    reference = two_request(cluster, "Compare them.", paths, 12)
-    oai = client(lang)
+def answer_of(lang: WorkerProcess, text: str, sources: list[str], max_tokens: int) -> str:
+    return chat(lang, text, sources, max_tokens).choices[0].message.content
+
+
+def chat_as_generate(lang: WorkerProcess, text: str, paths: list[str], max_tokens: int, rid: str) -> dict:
+    """The same chat as a ``/generate`` of the chat template's prompt: its body, checked for 200."""
+    answer = generate(lang, paths, rid, max_tokens, text=CHAT.format(images=IMAGE * len(paths), text=text))
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def parts(lang: WorkerProcess, encoder: str, outcome: str = "ok") -> float:
+    return metric(lang, f'epd_encoder_parts_total{{encoder="{encoder}",outcome="{outcome}"}}')
+
+
+def assert_idle(lang: WorkerProcess) -> None:
+    health = connector_idle(lang)
+    assert health["free_blocks"] == health["num_blocks"] and health["transferring"] == 0, health
+
+
+def test_chat_with_images_streamed_or_not_answers_what_generate_does_which_is_monolithic(cluster, images,
+                                                                                       reference) -> None:
+    """Two images (a local path and a data: URI): one part per encoder. The chat's text, token
+    counts and finish reason are those of ``/generate`` with the chat template's prompt, whose ids
+    are transformers' monolithic ones; the stream gives the same text and usage."""
+    lang, encoders = cluster.lang, cluster.encoders
+    paths = [images["224x224"], images["448x448"]]
+    direct = chat_as_generate(lang, "Compare them.", paths, 12, "chat-direct")
+    text = CHAT.format(images=IMAGE * 2, text="Compare them.")
+    assert greedy_mismatch(direct["output_ids"], reference(text, paths, 12)) is None
     sources = [paths[0], data_uri(paths[1])]  # a local path the encoders may read, and a data: URI
-    answer = oai.chat.completions.create(model="qwen", messages=chat_messages("Compare them.", sources),
-                                         max_tokens=12, temperature=0)
-    assert answer.object == "chat.completion" and answer.model == "qwen" and answer.id.startswith("chatcmpl-")
+    before = [parts(lang, e.url) for e in encoders[:2]]
+    answer = chat(lang, "Compare them.", sources, 12)
+    assert answer.object == "chat.completion" and answer.model == "qwen" and answer.id
     assert answer.choices[0].message.role == "assistant"
-    assert answer.choices[0].message.content == reference["text"]
-    assert answer.choices[0].finish_reason == reference["meta_info"]["finish_reason"]["type"]
-    assert answer.usage.prompt_tokens == reference["meta_info"]["prompt_tokens"]
-    assert answer.usage.completion_tokens == len(reference["output_ids"])
-    for enc in encoders:  # each encoder got a part
-        assert metric(lang, f'epd_encoder_parts_total{{encoder="{enc.url}",outcome="ok"}}') >= 1
-    chunks = list(oai.chat.completions.create(model="qwen", messages=chat_messages("Compare them.", sources),
-                                              max_tokens=12, temperature=0, stream=True,
-                                              stream_options={"include_usage": True}))
+    assert answer.choices[0].message.content == direct["text"]
+    assert answer.choices[0].finish_reason == direct["meta_info"]["finish_reason"]["type"] == "length"
+    assert answer.usage.prompt_tokens == direct["meta_info"]["prompt_tokens"]
+    assert answer.usage.completion_tokens == len(direct["output_ids"]) == 12
+    assert [parts(lang, e.url) for e in encoders[:2]] == [b + 1 for b in before]  # each encoder got a part
+    chunks = list(chat(lang, "Compare them.", sources, 12, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference["text"]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(reference["output_ids"])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == direct["text"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == answer.choices[0].finish_reason
-    health = wait_idle(lang)
-    assert health["generating"] == 0 and health["free_blocks"] == health["num_blocks"]
+    assert_idle(lang)
 
 
-def test_generate_with_image_data_gives_the_two_request_tokens(cluster, images) -> None:  # noqa: F811
-    """``image_data`` as a local path and as an http:// URL (the encoders fetch it)."""
-    encoders, lang = cluster
-    text = f"<|im_start|>user\n{P}What is it?<|im_end|>\n<|im_start|>assistant\n"
-    reference = generate((encoders[0], lang), {"text": text, "sampling_params": {"max_new_tokens": 10}},
-                         [images["wide"]])
-    folder = Path(images["wide"]).parent
+def test_generate_with_image_data_as_a_path_or_a_url_gives_the_monolithic_tokens(cluster, images, reference) -> None:
+    """``image_data`` as a local path and as an http:// URL (the encoders fetch it): the same ids,
+    transformers' monolithic ones."""
+    lang = cluster.lang
+    text = CHAT.format(images=IMAGE, text="What is it?")
+    expected = reference(text, [images["other"]], 10)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(
-        http.server.SimpleHTTPRequestHandler, directory=str(folder)))
+        http.server.SimpleHTTPRequestHandler, directory=str(Path(images["other"]).parent)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/{Path(images['wide']).name}"
-        for source in (images["wide"], url):
-            answer = requests.post(f"{lang.url}/generate", json={"text": text, "image_data": source,
-                                                                 "sampling_params": {"max_new_tokens": 10}},
-                                   timeout=120)
+        url = f"http://127.0.0.1:{server.server_address[1]}/{Path(images['other']).name}"
+        answers = []
+        for i, source in enumerate((images["other"], url)):
+            answer = generate(lang, [source], f"image-data-{i}", 10, text=text)
             assert answer.status_code == 200, answer.text
-            assert answer.json()["output_ids"] == reference["output_ids"], source
-            assert answer.json()["num_tokens"] == reference["num_tokens"]
+            answers.append(answer.json())
+            assert greedy_mismatch(answer.json()["output_ids"], expected) is None, source
     finally:
         server.shutdown()
+        server.server_close()
+    assert answers[0]["output_ids"] == answers[1]["output_ids"]
+    assert answers[0]["meta_info"]["image_tokens"] == answers[1]["meta_info"]["image_tokens"] == 12 * 23
 
 
 def test_completions_models_and_errors_in_openai_shape(cluster, folder) -> None:
-    _, lang = cluster
+    """``/v1/models`` names the checkpoint; a completion (plain and streamed) is ``/generate``'s text;
+    sampling parameters out of range are the client's 400 naming them, in SGLang's error shape; an
+    image the encoders refuse is the client's 400 too."""
+    lang = cluster.lang
     oai = client(lang)
     [model] = oai.models.list().data
     assert model.object == "model" and model.id == folder
-    reference = generate((None, lang), {"text": "Once upon", "sampling_params": {"max_new_tokens": 8}})
-    answer = oai.completions.create(model=model.id, prompt="Once upon", max_tokens=8, temperature=0)
-    assert answer.object == "text_completion" and answer.choices[0].text == reference["text"]
-    assert answer.usage.completion_tokens == len(reference["output_ids"])
-    streamed = oai.completions.create(model=model.id, prompt="Once upon", max_tokens=8, temperature=0, stream=True)
-    assert "".join(c.choices[0].text for c in streamed) == reference["text"]
-    cases = [({"n": 2}, "n"), ({"temperature": 3}, "temperature"), ({"extra_body": {"nonsense": 1}}, "nonsense")]
+    direct = generate(lang, [], "once-upon", 8, text="Once upon")
+    assert direct.status_code == 200, direct.text
+    direct = direct.json()
+    answer = oai.completions.create(model=model.id, prompt="Once upon", max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert answer.object == "text_completion" and answer.choices[0].text == direct["text"]
+    assert answer.usage.completion_tokens == len(direct["output_ids"]) == 8
+    streamed = oai.completions.create(model=model.id, prompt="Once upon", max_tokens=8, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == direct["text"]
+    cases = [({"max_tokens": -1}, "max_new_tokens"), ({"top_p": 5}, "top_p"),
+             ({"frequency_penalty": 9}, "frequency_penalty"), ({"extra_body": {"top_k": -5}}, "top_k")]
     for extra, words in cases:
         with pytest.raises(openai.BadRequestError) as caught:
             oai.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "hi"}], **extra)
         assert caught.value.status_code == 400 and words in caught.value.body["message"], caught.value.body
-        assert caught.value.body["type"] == "invalid_request_error"
+        assert caught.value.body["type"] == "BadRequestError", caught.value.body
     with pytest.raises(openai.BadRequestError) as caught:  # an image the encoders refuse: the client's error
         oai.chat.completions.create(model="qwen", messages=chat_messages("?", ["/etc/passwd"]), max_tokens=2)
-    assert "refused the image" in caught.value.body["message"]
-    assert wait_idle(lang)["free_blocks"] == wait_idle(lang)["num_blocks"]
+    assert "refused the image" in caught.value.body["message"], caught.value.body
+    assert "only read inside --allowed-local-media-path" in caught.value.body["message"]
+    assert_idle(lang)
 
 
-def test_a_killed_encoder_costs_a_retry_not_a_request(cluster, images, folder) -> None:  # noqa: F811
+def test_a_killed_encoder_costs_a_retry_not_a_request(cluster, images, folder) -> None:
     """The second encoder is killed: requests whose part went to it are sent again to the first,
     invisibly; the dead one gets nothing new until its /health answers (it is started again on
     its port and takes parts again)."""
-    encoders, lang = cluster
-    paths = [images["small"], images["wide"]]
-    reference = two_request(cluster, "Again?", paths, 8)["text"]
+    lang, encoders = cluster.lang, cluster.encoders
+    paths = [images["224x224"], images["other"]]
+    before_kill = answer_of(lang, "Again?", paths, 8)  # one part on each encoder
     victim = encoders[1]
     os.kill(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait()
-    oai = client(lang)
-    before = metric(lang, "epd_encoder_retries_total")
+    retries = metric(lang, "epd_encoder_retries_total")
     for _ in range(3):
-        answer = oai.chat.completions.create(model="qwen", messages=chat_messages("Again?", paths), max_tokens=8,
-                                             temperature=0)
-        assert answer.choices[0].message.content == reference
-    assert metric(lang, "epd_encoder_retries_total") == before + 1  # once; then it is out of rotation
+        assert answer_of(lang, "Again?", paths, 8) == before_kill
+    assert metric(lang, "epd_encoder_retries_total") == retries + 1  # once; then it is out of rotation
     assert metric(lang, "epd_encoders_healthy") == 1
-    encoders[1] = WorkerProcess("encode", "--model-path", folder, port=victim.port,
-                                bootstrap_port=victim.bootstrap_port)
+    encoders[1] = qwen_encoder(folder, port=victim.port, bootstrap_port=victim.bootstrap_port)
     time.sleep(1.2)  # a probe is due
-    answer = oai.chat.completions.create(model="qwen", messages=chat_messages("Again?", paths), max_tokens=8,
-                                         temperature=0)
-    assert answer.choices[0].message.content == reference
+    assert answer_of(lang, "Again?", paths, 8) == before_kill  # one part: the probe finds it back meanwhile
     assert metric(lang, "epd_encoders_healthy") == 2
-    health = wait_idle(lang)
-    assert health["generating"] == 0 and health["free_blocks"] == health["num_blocks"]
+    taken = parts(lang, victim.url)
+    assert answer_of(lang, "Again?", paths, 8) == before_kill
+    assert parts(lang, victim.url) == taken + 1
+    assert_idle(lang)
 
 
 def test_an_image_sent_again_comes_from_the_cache_and_one_pixel_makes_another(cluster, tmp_path) -> None:
     """A multi-turn chat re-sends its image: the second turn asks no encoder (no part sent, a
     cache hit) and answers exactly as the first; an image one pixel away is encoded anew."""
-    _, lang = cluster
+    lang = cluster.lang
     image = make_image(320, 240, seed=21)
     other = image.copy()
     other.putpixel((5, 5), tuple((c + 7) % 256 for c in image.getpixel((5, 5))))
@@ -186,19 +308,17 @@ def test_an_image_sent_again_comes_from_the_cache_and_one_pixel_makes_another(cl
     for name, im in (("same", image), ("other", other)):
         im.save(tmp_path / f"{name}.png")
         sources[name] = data_uri(str(tmp_path / f"{name}.png"))
-    oai = client(lang)
 
     def ask(source: str) -> str:
-        return oai.chat.completions.create(model="qwen", messages=chat_messages("Turn?", [source]), max_tokens=6,
-                                           temperature=0).choices[0].message.content
+        return answer_of(lang, "Turn?", [source], 6)
 
-    parts = "epd_encoder_parts_total"
+    sent = "epd_encoder_parts_total"
     first = ask(sources["same"])
-    sent, hits = metric(lang, parts), metric(lang, "epd_embedding_cache_hits_total")
+    before, hits = metric(lang, sent), metric(lang, "epd_embedding_cache_hits_total")
     assert ask(sources["same"]) == first and ask(sources["same"]) == first
-    assert metric(lang, parts) == sent and metric(lang, "epd_embedding_cache_hits_total") == hits + 2
+    assert metric(lang, sent) == before and metric(lang, "epd_embedding_cache_hits_total") == hits + 2
     ask(sources["other"])
-    assert metric(lang, parts) == sent + 1 and metric(lang, "epd_embedding_cache_entries") >= 2
+    assert metric(lang, sent) == before + 1 and metric(lang, "epd_embedding_cache_entries") >= 2
     assert metric(lang, "epd_embedding_cache_hits_total") == hits + 2
 
 
@@ -270,157 +390,115 @@ def test_an_encoders_busy_refusal_through_the_room_goes_to_another_encoder_ours_
     assert ours.value.kind == FailureKind.ASLEEP
 
 
-def test_three_encoders_two_language_workers_32_chats_one_encoder_killed_halfway(folder, images) -> None:  # noqa: F811
-    """Every chat completes with the answer it gives without the kill: the parts on the killed
-    encoder are sent again to the others, invisibly to the clients."""
-    encoders = [WorkerProcess("encode", "--model-path", folder) for _ in range(3)]
-    urls = [e.url for e in encoders]
-    langs = []
-    try:
-        langs = [WorkerProcess("language", "--model-path", folder, "--embedding-default-allocate-buffer-size", "128",
-                               "--image-embedding-cache-bytes", "0", "--encoder-urls", *urls) for _ in range(2)]
-        kinds = [[images["small"]], [images["square"], images["wide"]], [images["wide"], images["small"],
-                                                                          images["square"]], []]
-        chats = [(f"Chat {i}?", kinds[i % 4], 4 + i % 5) for i in range(8)] * 4  # 8 kinds of chat, 4 of each
-
-        def ask(i: int) -> str:
-            text, paths, max_tokens = chats[i]
-            return client(langs[i % 2]).chat.completions.create(
-                model="qwen", messages=chat_messages(text, paths), max_tokens=max_tokens,
-                temperature=0).choices[0].message.content
-
-        with ThreadPoolExecutor(8) as pool:  # each kind once, without the kill
-            alone = list(pool.map(ask, range(8))) * 4
-        with ThreadPoolExecutor(32) as pool:
-            running = []
-            for i in range(32):  # arriving over three seconds; the kill lands halfway, parts in flight
-                running.append(pool.submit(ask, i))
-                if i == 16:
-                    os.kill(encoders[2].proc.pid, signal.SIGKILL)
-                time.sleep(0.1)
-            done = [f.result() for f in running]
-        assert done == alone
-        retries = sum(metric(lang, "epd_encoder_retries_total") for lang in langs)
-        assert retries >= 1  # some part went to the dead encoder and was sent again
-        print(f"\n32 chats over 3 encoders and 2 language workers, one encoder killed halfway: all exact, "
-              f"{retries:.0f} parts sent again")
-        for lang in langs:
-            health = wait_idle(lang)
-            assert health["generating"] == 0 and health["free_blocks"] == health["num_blocks"]
-    finally:
-        for worker in langs + encoders:
-            worker.stop()
-
-
 @pytest.mark.serial
 def test_more_images_than_an_encoder_takes_are_split_to_its_limit(cluster, tmp_path) -> None:
-    """40 images in one request, two encoders that take 16 each (their /health says so): three
-    parts, not two of 20 that both encoders refuse."""
-    _, lang = cluster
+    """40 images in one request (the server's cap is 40), two encoders that take 16 each (their
+    /health says so): three parts, not two of 20 that both encoders refuse."""
+    lang = cluster.lang
     paths = []
     for i in range(40):
         paths.append(str(tmp_path / f"small{i}.png"))
         make_image(56, 56, seed=500 + i).save(paths[-1])
-    parts = metric(lang, "epd_encoder_parts_total")
-    answer = requests.post(f"{lang.url}/generate", timeout=120, json={
-        "text": f"<|im_start|>user\n{P * 40}How many?<|im_end|>\n<|im_start|>assistant\n", "image_data": paths,
-        "sampling_params": {"max_new_tokens": 2}})
+    sent = metric(lang, "epd_encoder_parts_total")
+    answer = generate(lang, paths, "forty-images", 2, text=CHAT.format(images=IMAGE * 40, text="How many?"))
     assert answer.status_code == 200, answer.text
-    assert answer.json()["num_tokens"] == 40 * 4  # 56x56: four merged patches each
-    assert metric(lang, "epd_encoder_parts_total") == parts + 3
+    assert answer.json()["meta_info"]["image_tokens"] == 40 * 4  # 56x56: four merged patches each
+    assert metric(lang, "epd_encoder_parts_total") == sent + 3
 
 
-def test_a_clients_bad_input_is_its_400_and_blames_no_encoder(cluster, images) -> None:  # noqa: F811
-    """An image reference with a NUL byte is refused as the client's error (400), not an encoder
-    failure (502, the encoder out of rotation); an empty chat is 400; the encoder's /encode
-    refuses fields it does not know."""
-    encoders, lang = cluster
+def test_a_clients_bad_input_is_its_400_and_blames_no_encoder(cluster, images) -> None:
+    """An image reference with a NUL byte is refused as the client's error (400, the encoder's
+    words), not an encoder failure (502, the encoder out of rotation); an empty chat, and a
+    ``/generate`` with no prompt, are 400; the encoder's /encode refuses fields it does not know."""
+    lang, encoders = cluster.lang, cluster.encoders
     retries = metric(lang, "epd_encoder_retries_total")
-    nul = requests.post(f"{lang.url}/generate", timeout=60, json={
-        "text": f"<|im_start|>user\n{P}?<|im_end|>\n<|im_start|>assistant\n", "image_data": [images["small"] + "\x00.png"]})
-    assert nul.status_code == 400 and "must not contain a NUL character" in nul.json()["error"], nul.text
-    chat = requests.post(f"{lang.url}/v1/chat/completions", json={"model": "qwen", "messages": []}, timeout=60)
-    assert chat.status_code == 400 and "messages" in chat.text, chat.text
-    empty = requests.post(f"{lang.url}/generate", json={"messages": []}, timeout=60)
-    assert empty.status_code == 400 and "messages" in empty.text, empty.text
+    nul = generate(lang, [images["224x224"] + "\x00.png"], "nul", 2)
+    assert nul.status_code == 400, nul.text
+    assert "must not contain a NUL character" in nul.json()["error"]["message"], nul.text
+    empty_chat = requests.post(f"{lang.url}/v1/chat/completions", json={"model": "qwen", "messages": []}, timeout=60)
+    assert empty_chat.status_code == 400 and "messages" in empty_chat.json()["message"].lower(), empty_chat.text
+    no_prompt = requests.post(f"{lang.url}/generate", json={"messages": []}, timeout=60)
+    assert no_prompt.status_code == 400 and "text, input_ids or input_embeds" in no_prompt.text, no_prompt.text
     unknown = requests.post(f"{encoders[0].url}/encode", timeout=60, json={
-        "rid": "unknown-field", "bootstrap_room": 12345, "images": [images["small"]], "nonsense": 1})
+        "rid": "unknown-field", "bootstrap_room": 12345, "images": [images["224x224"]], "nonsense": 1})
     assert unknown.status_code == 400 and "unknown field(s) 'nonsense'" in unknown.json()["error"], unknown.text
     assert metric(lang, "epd_encoders_healthy") == 2 and metric(lang, "epd_encoder_retries_total") == retries
 
 
-def test_asleep_or_aborted_requests_blame_no_encoder(cluster, tmp_path) -> None:
-    """A language worker asleep answers 503 with Retry-After before asking any encoder; an
-    /abort_request while its images are being encoded ends the request at once and gives every
-    block back; neither takes an encoder out of rotation."""
-    _, lang = cluster
-    big = str(tmp_path / "big.png")
-    make_image(3840, 2160, seed=8).save(big)
-    text = f"<|im_start|>user\n{P}Big?<|im_end|>\n<|im_start|>assistant\n"
+def test_asleep_or_aborted_requests_blame_no_encoder(cluster, images) -> None:
+    """A language server asleep answers 503 with Retry-After before asking any encoder; an
+    /abort_request while its images are being encoded ends the request at once (499) and gives
+    every block back; neither takes an encoder out of rotation."""
+    lang = cluster.lang
+    big = images["3840x2160"]  # the encoder takes about two and a half seconds
+    sent = metric(lang, "epd_encoder_parts_total")
     assert requests.post(f"{lang.url}/sleep?level=1&preserve_state=true", timeout=60).status_code == 200
     try:
-        asleep = requests.post(f"{lang.url}/generate", json={"text": text, "image_data": big}, timeout=60)
+        asleep = generate(lang, [big], "asleep", 2)
         assert asleep.status_code == 503 and asleep.headers.get("Retry-After"), asleep.text
     finally:
         assert requests.post(f"{lang.url}/wake_up", timeout=60).status_code == 200
-    sent = metric(lang, "epd_encoder_parts_total")
+    assert metric(lang, "epd_encoder_parts_total") == sent
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(requests.post, f"{lang.url}/generate", json={
-            "rid": "abort-me", "text": text, "image_data": big}, timeout=120)
-        time.sleep(0.5)  # a 4K frame takes the encoder about two seconds
+        pending = pool.submit(generate, lang, [big], "abort-me", 2)
+        time.sleep(0.5)
         started = time.monotonic()
-        assert requests.post(f"{lang.url}/abort_request", json={"rid": "abort-me"}, timeout=10).json()["aborted"]
+        assert requests.post(f"{lang.url}/abort_request", json={"rid": "abort-me"}, timeout=10).status_code == 200
         answer = pending.result()
     assert answer.status_code == 499, answer.text
-    assert "aborted by /abort_request" in answer.json()["error"] and time.monotonic() - started < 1.5
+    assert "aborted by /abort_request" in answer.json()["error"]["message"] and time.monotonic() - started < 1.5
     assert metric(lang, "epd_encoders_healthy") == 2 and metric(lang, "epd_encoder_parts_total") == sent
-    health = wait_idle(lang)
-    assert health["free_blocks"] == health["num_blocks"] and health["transferring"] == 0
+    assert_idle(lang)
 
 
-def test_an_encoder_whose_digest_lies_loses_the_part_to_another(cluster, images, folder) -> None:  # noqa: F811
-    """The embedding's digest is checked end to end: an encoder (here a proxy in front of a real
+def test_an_encoder_whose_digest_lies_loses_the_part_to_another(cluster, images) -> None:
+    """The embedding's digest is checked end to end: an encoder (the relay in front of a real
     one) that reports another digest than what landed has its part sent again to the next
-    encoder, and leaves the rotation; the client sees the right answer."""
-    encoders, lang = cluster
-    real = encoders[0].url
-
-    class Lying(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-        def _reply(self, status: int, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self) -> None:  # noqa: N802
-            answer = requests.get(real + self.path, timeout=10)
-            self._reply(answer.status_code, answer.content)
-
-        def do_POST(self) -> None:  # noqa: N802
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            answer = requests.post(real + self.path, data=body, headers={"Content-Type": "application/json"},
-                                   timeout=120)
-            reply = answer.json() | {"sha256": "0" * 64} if answer.status_code == 200 else answer.json()
-            self._reply(answer.status_code, json.dumps(reply).encode())
-
-    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Lying)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
-    liar = f"http://127.0.0.1:{proxy.server_address[1]}"
-    other = WorkerProcess("language", "--model-path", folder, "--encoder-urls", liar, encoders[1].url)
+    encoder, and leaves the rotation; the client gets the answer of the same chat through one
+    honest encoder (the other server's)."""
+    second, liar = cluster.second, cluster.relay.url
+    honest = answer_of(cluster.lang, "Honest?", [images["224x224"]], 6)
+    failed, taken = parts(second, liar, "failed"), parts(second, liar)
+    others = sum(parts(second, e.url) for e in cluster.encoders[1:])
+    cluster.relay.lying = True
     try:
-        reference = two_request(cluster, "Honest?", [images["small"]], 6)["text"]
-        answer = client(other).chat.completions.create(model="qwen", messages=chat_messages("Honest?", [
-            images["small"]]), max_tokens=6, temperature=0)
-        assert answer.choices[0].message.content == reference
-        assert metric(other, f'epd_encoder_parts_total{{encoder="{liar}",outcome="failed"}}') == 1
-        assert metric(other, f'epd_encoder_parts_total{{encoder="{encoders[1].url}",outcome="ok"}}') == 1
-        assert metric(other, "epd_encoders_healthy") == 1  # the liar is out until its /health answers
-        health = wait_idle(other)
-        assert health["free_blocks"] == health["num_blocks"] and health["transferring"] == 0
+        assert answer_of(second, "Honest?", [images["224x224"]], 6) == honest
     finally:
-        other.stop()
-        proxy.shutdown()
+        cluster.relay.lying = False
+    assert parts(second, liar, "failed") == failed + 1 and parts(second, liar) == taken
+    assert sum(parts(second, e.url) for e in cluster.encoders[1:]) == others + 1
+    assert metric(second, "epd_encoders_healthy") == 2  # the liar is out until its /health answers
+    assert_idle(second)
+
+
+def test_three_encoders_two_language_servers_32_chats_one_encoder_killed_halfway(cluster, images) -> None:
+    """Last in the module: encoder 1, which both servers send to, is killed (not started again).
+    Every chat completes with the answer it gives without the kill: the parts on the killed
+    encoder are sent again to the others, invisibly to the clients."""
+    langs = [cluster.lang, cluster.second]
+    kinds = [[images["224x224"]], [images["448x448"], images["other"]],
+             [images["other"], images["224x224"], images["448x448"]], []]
+    chats = [(f"Chat {i}?", kinds[i % 4], 4 + i % 5) for i in range(8)] * 4  # 8 kinds of chat, 4 of each
+
+    def ask(i: int) -> str:
+        text, paths, max_tokens = chats[i]
+        return answer_of(langs[i % 2], text, paths, max_tokens)
+
+    with ThreadPoolExecutor(8) as pool:  # each kind once, without the kill
+        alone = list(pool.map(ask, range(8))) * 4
+    retries = sum(metric(lang, "epd_encoder_retries_total") for lang in langs)
+    with ThreadPoolExecutor(32) as pool:
+        running = []
+        for i in range(32):  # arriving over three seconds; the kill lands halfway, parts in flight
+            running.append(pool.submit(ask, i))
+            if i == 16:
+                os.kill(cluster.encoders[1].proc.pid, signal.SIGKILL)
+            time.sleep(0.1)
+        done = [f.result() for f in running]
+    assert done == alone
+    retries = sum(metric(lang, "epd_encoder_retries_total") for lang in langs) - retries
+    assert retries >= 1  # some part went to the dead encoder and was sent again
+    print(f"\n32 chats over 3 encoders and 2 language servers, one encoder killed halfway: all exact, "
+          f"{retries:.0f} parts sent again")
+    for lang in langs:
+        assert_idle(lang)

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs, sampled_frames
+from monolithic import Greedy, greedy_generate, greedy_mismatch, sampled_frames
 from sglang_stack import (
     NEW_TOKENS,
     SGLANG_LAUNCH,
@@ -35,15 +35,15 @@ from sglang_stack import (
     generate,
     generate_as_reference,
     generate_videos,
+    image_reference,
     prompt,
     write_clips,
     write_images,
 )
 from transfer_large_image import make_image
-from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-from workers import SGLANG_READY, WorkerProcess, free_port
+from transformers import Qwen2_5_VLForConditionalGeneration
+from workers import SGLANG_READY, WorkerProcess, free_port, start_together
 
-from embedding_side.encoders import QwenVisionEncoder
 from sglang_ext.language_flags import cpu_kv_tokens
 
 pytestmark = pytest.mark.sglang
@@ -72,17 +72,13 @@ def workers(folder, tmp_path_factory):
     # CPU default, and it warms up at start (also when it starts again, asleep, on its checkpoint)
     second_args = ["language", "--model-path", folder, "--encoder-urls", encode.url, "--enable-metrics",
                    "--checkpoint-dir", str(tmp_path_factory.mktemp("sglang-checkpoint")), "--admin-api-key", ADMIN_KEY]
-    with ThreadPoolExecutor(2) as pool:
-        starting = [pool.submit(WorkerProcess, *args, command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
-                    for args in (LANGUAGE_ARGS, second_args)]
-    failed = [f.exception() for f in starting if f.exception() is not None]
-    if failed:
-        for f in starting:
-            if f.exception() is None:
-                f.result().stop()
+    try:
+        language, second_language = start_together(*(
+            lambda args=args: WorkerProcess(*args, command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
+            for args in (LANGUAGE_ARGS, second_args)))
+    except BaseException:
         encode.stop()
-        raise failed[0]
-    language, second_language = (f.result() for f in starting)
+        raise
     SECOND.append(second_language)
     SECOND_ARGS[:] = second_args
     yield encode, language
@@ -105,16 +101,7 @@ def model(folder):
 
 @pytest.fixture(scope="module")
 def reference(folder, model):
-    encoder = QwenVisionEncoder(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-
-    def greedy(paths: list[str], new_tokens: int = NEW_TOKENS) -> Greedy:
-        from PIL import Image
-
-        pictures = [Image.open(p).convert("RGB") for p in paths]
-        return greedy_generate(model, reference_inputs(encoder, tokenizer, prompt(len(paths)), pictures), new_tokens)
-
-    return greedy
+    return image_reference(folder, model)
 
 
 @pytest.fixture(scope="module")
@@ -321,13 +308,14 @@ def test_only_the_hosts_address_is_listened_on_by_sglangs_processes(workers) -> 
 
 
 def test_small_routes_and_refusals_say_whose_fault_it_is(workers) -> None:
-    """``/is_sleeping`` is served; ``bootstrap_*`` (the two-request flow) is refused, not ignored;
-    an error answer quotes no server path or stack frame."""
+    """``/is_sleeping`` is served; an encoder a two-request ``/generate`` names that is not
+    allowed is refused (403) before it is contacted; an error answer quotes no server path or
+    stack frame."""
     _, language = workers
     assert requests.get(f"{language.url}/is_sleeping", timeout=10).json() == {"is_sleeping": False}
-    named = generate(language, [], "bootstrap", text="Hello", bootstrap_host="127.0.0.1", bootstrap_port=8998,
-                     bootstrap_room=7)
-    assert named.status_code == 403 and "two-request flow" in named.text, named.text
+    named = requests.post(f"{language.url}/generate", timeout=30, json={
+        "text": "Hello", "bootstrap_host": "10.9.8.7", "bootstrap_port": 8998, "bootstrap_room": 7})
+    assert named.status_code == 403 and "not an encoder this worker may contact" in named.text, named.text
     no_json = requests.post(f"{language.url}/generate", data=b'{"text": "hi"}', timeout=30)  # not application/json
     assert no_json.status_code == 400 and ".py" not in no_json.text and 'File \\"' not in no_json.text, no_json.text
 
@@ -346,6 +334,42 @@ def test_the_stream_is_sglangs_own(workers, images, reference) -> None:
     ids = chunks[-1]["output_ids"] if len(chunks[-1]["output_ids"]) == NEW_TOKENS else \
         [t for c in chunks for t in c["output_ids"]]
     assert greedy_mismatch(ids, reference([images["448x448"]])) is None
+
+
+def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch(workers, images, reference) -> None:
+    """``sampling_seed`` (the OpenAI routes' ``seed``) at temperature 1: the same ids alone and
+    among four other sampled requests of other images and seeds and a greedy one (SGLang alone
+    draws from its process-wide generator, and hashes a row's noise in a way its neighbours
+    choose: ``sglang_ext/seeds.py``); another seed draws others. The greedy request in the mix
+    equals transformers' monolithic ids up to a near tie: its logits may differ in the last bits
+    with its batch on a CPU (SGLang's batch-invariant kernels are GPU-only), which a near tie
+    can turn into another id (see docs/sglang_language_side.md)."""
+    _, language = workers
+
+    def sampled(path: str, seed: int, rid: str) -> list[int]:
+        answer = generate(language, [path], rid, sampling_params={
+            "max_new_tokens": NEW_TOKENS, "temperature": 1.0, "sampling_seed": seed, "ignore_eos": True})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["output_ids"]
+
+    alone = sampled(images["448x448"], 1234, "seed-alone")
+    others = [images["other"], images["1920x1080"], images["other"], images["448x448"]]
+    with ThreadPoolExecutor(6) as pool:
+        mixed = pool.submit(sampled, images["448x448"], 1234, "seed-mixed")
+        greedy = pool.submit(generate, language, [images["1920x1080"]], "seed-greedy-mixed")
+        for i, path in enumerate(others):
+            pool.submit(sampled, path, 77 + i, f"seed-other-{i}")
+    assert mixed.result() == alone
+    assert greedy_mismatch(greedy.result().json()["output_ids"], reference([images["1920x1080"]])) is None
+    assert sampled(images["448x448"], 1235, "seed-other-seed") != alone
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{language.url}/v1", api_key="none", timeout=120, max_retries=0)
+    content = [{"type": "image_url", "image_url": {"url": images["448x448"]}}, {"type": "text", "text": "Hi"}]
+    chats = [client.chat.completions.create(model="m", max_tokens=8, temperature=1.0, seed=99, logprobs=True,
+                                            messages=[{"role": "user", "content": content}]) for _ in range(2)]
+    assert [t.token for t in chats[0].choices[0].logprobs.content] == \
+        [t.token for t in chats[1].choices[0].logprobs.content]
 
 
 def test_the_openai_client_gets_logprobs_and_n(workers, images, reference, folder) -> None:
@@ -415,15 +439,19 @@ def test_sleep_and_wake_keep_a_request_waiting_for_its_embedding(workers, images
 
 @pytest.mark.serial  # it times when tokens arrive
 def test_sleep_and_wake_mid_decode_lose_no_token(workers, images, reference) -> None:
-    """A stream asleep (level 1: SGLang pauses in place, its KV kept) in the middle of its decode
-    ends with the tokens the same request gets without a sleep, whose first ones are monolithic's
-    (160 greedy tokens of the random seeded model part from transformers' at a near tie of bf16
-    logits, sleep or not: SGLang and transformers round differently)."""
+    """Four greedy streams (one batch request, so SGLang schedules them together both times)
+    asleep at level 1 (SGLang pauses in place, KV kept) after their third token end with exactly
+    the ids the same four streams get without a sleep: the sleep changes no token. Their first
+    ids are monolithic's up to a near tie (160 greedy tokens of the seeded model part from
+    transformers' at near ties of bf16 logits, sleep or not, and a stream's logits may differ in
+    the last bits with its batch on a CPU)."""
     _, language = workers
     new_tokens = 160
-    answer = requests.post(f"{language.url}/generate", stream=True, timeout=240, json={
-        "rid": "sleep-decode", "text": prompt(1), "image_data": images["448x448"], "stream": True,
-        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}})
+    paths = [images["448x448"], images["other"], images["1920x1080"], images["448x448"]]
+    body = {"text": [prompt(1)] * 4, "image_data": [[p] for p in paths],
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+    answer = requests.post(f"{language.url}/generate", stream=True, timeout=240,
+                           json=body | {"rid": [f"sleep-decode-{i}" for i in range(4)], "stream": True})
     chunks: list[tuple[float, dict]] = []  # (arrival, event)
     started = threading.Event()
 
@@ -431,7 +459,7 @@ def test_sleep_and_wake_mid_decode_lose_no_token(workers, images, reference) -> 
         for line in answer.iter_lines():
             if line.startswith(b"data: {"):
                 chunks.append((time.monotonic(), json.loads(line[6:])))
-                if len(chunks) == 3:
+                if len(chunks) == 3 * 4:
                     started.set()
 
     reader = threading.Thread(target=read)
@@ -448,15 +476,22 @@ def test_sleep_and_wake_mid_decode_lose_no_token(workers, images, reference) -> 
     # (longer on a loaded machine), then nothing for the rest of the sleep
     assert not any(asleep_at + 0.75 < t < woke_at for t, _ in chunks), [round(t - asleep_at, 3) for t, _ in chunks]
     assert any(t > woke_at for t, _ in chunks)  # it was mid-decode: tokens came after the wake-up
-    chunks = [c for _, c in chunks]
-    final = chunks[-1]
-    assert final["meta_info"]["completion_tokens"] == new_tokens
-    assert final["meta_info"]["num_retractions"] == 0  # in place: nothing recomputed
-    ids = final["output_ids"] if len(final["output_ids"]) == new_tokens else [t for c in chunks for t in c["output_ids"]]
-    awake = generate(language, [images["448x448"]], "no-sleep-decode",
-                     sampling_params={"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}).json()
-    assert ids == awake["output_ids"]
-    assert greedy_mismatch(ids[:NEW_TOKENS], reference([images["448x448"]])) is None
+    streams: dict[int, list[dict]] = {}
+    for _, chunk in chunks:
+        streams.setdefault(chunk.get("index", 0), []).append(chunk)
+    slept_ids = []
+    for index in range(4):
+        final = streams[index][-1]
+        assert final["meta_info"]["completion_tokens"] == new_tokens
+        assert final["meta_info"]["num_retractions"] == 0  # in place: nothing recomputed
+        slept_ids.append(final["output_ids"] if len(final["output_ids"]) == new_tokens
+                         else [t for c in streams[index] for t in c["output_ids"]])
+    awake = requests.post(f"{language.url}/generate", timeout=240,
+                          json=body | {"rid": [f"no-sleep-decode-{i}" for i in range(4)]})
+    assert awake.status_code == 200, awake.text
+    assert slept_ids == [out["output_ids"] for out in awake.json()]
+    for ids, path in zip(slept_ids, paths, strict=True):
+        assert greedy_mismatch(ids[:NEW_TOKENS], reference([path])) is None
 
 
 def test_a_level_2_sleep_retracts_and_every_token_still_comes(workers, images) -> None:

@@ -12,14 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import requests
 from test_workers import Pair, assert_pools_free, images  # noqa: F401  (fixture)
 from transfer_large_image import run_request
-from transformers import AutoTokenizer
 from workers import WorkerProcess
-
-from language_side.model import LanguageModel, greedy
-from language_side.prompt import build_prompt
 
 pytestmark = pytest.mark.sglang
 
@@ -77,7 +72,7 @@ DISPATCH_FLAGS = ("--model-path", "/models/qwen", "--host", "127.0.0.2", "--port
                   "--embedding-cache-buffer-size", "40", "--resume-timeout", "7", "--max-queued-requests", "12",
                   "--staging-bytes", "1000000", "--queue-timeout", "4.5", "--allowed-media-domains", "img.example",
                   "--allowed-local-media-path", "/srv/a", "--allowed-local-media-path", "/srv/b",
-                  "--max-total-tokens", "4096", "--device", "cpu", "--language-model", "none")
+                  "--device", "cpu", "--transfer-only")
 LANGUAGE_MODES = {"mode": ("--disaggregation-mode", "language"), "language_only": ("--language-only",),
                   "mode=": ("--disaggregation-mode=language",)}
 SGLANG_MODES = ("null", "prefill", "decode")
@@ -98,8 +93,9 @@ def parsed(checkpoint) -> dict[str, Parsed]:
     """Every command line the tests below parse, through SGLang with the plugin, in one process."""
     cases = {f"dispatch-{mode}": ("--disaggregation-mode", mode, *DISPATCH_FLAGS) for mode in ("encode", "language")}
     cases |= {"encoder-only": ("--model-path", checkpoint, "--encoder-only", "--port", "31240"),
-              "language-only-native": ("--model-path", checkpoint, "--language-only", "--encoder-urls",
-                                       "http://10.0.0.1:30001", "http://10.0.0.2:30001", "--language-backend", "native"),
+              "fake-encoder": ("--disaggregation-mode", "encode", "--encoder", "fake", "--port", "31242"),
+              "receiver": ("--language-only", "--hidden-size", "1024", "--checkpoint-dir", "/srv/ckpt"),
+              "sglang-flag-without-model": ("--disaggregation-mode", "encode", "--encoder", "fake", "--enable-metrics"),
               "nixl": ("--model-path", "/m", "--disaggregation-mode", "encode", "--disaggregation-transfer-backend",
                        "nixl"),
               "bogus": ("--model-path", "/m", "--disaggregation-mode", "bogus")}
@@ -120,7 +116,7 @@ def test_help_lists_our_modes_and_flags() -> None:
     for flag in ("--embedding-cache-buffer-size", "--multimodal-block-size", "--checkpoint-dir",
                  "--queue-while-sleeping", "--resume-timeout", "--staging-bytes", "--queue-timeout",
                  "--max-queued-requests", "--allowed-local-media-path", "--allowed-media-domains",
-                 "--allow-private-media-urls", "--max-image-pixels", "--language-backend"):
+                 "--allow-private-media-urls", "--max-image-pixels", "--transfer-only"):
         assert flag in out
 
 
@@ -134,26 +130,34 @@ def test_our_modes_dispatch_with_the_flags_sglang_parsed(parsed, mode: str) -> N
         "disaggregation_mode", "model_path", "host", "port", "disaggregation_bootstrap_port",
         "disaggregation_ib_device", "tp_size", "log_level", "mooncake_protocol", "embedding_cache_buffer_size",
         "resume_timeout", "max_queued_requests", "staging_bytes", "queue_timeout", "allowed_media_domains",
-        "allowed_local_media_path", "max_total_tokens", "device", "language_model")} == {
+        "allowed_local_media_path", "device", "transfer_only")} == {
         "disaggregation_mode": mode, "model_path": "/models/qwen", "host": "127.0.0.2", "port": 31234,
         "disaggregation_bootstrap_port": 31235, "disaggregation_ib_device": "mlx5_0", "tp_size": 1,
         "log_level": "warning", "mooncake_protocol": "tcp", "embedding_cache_buffer_size": 40, "resume_timeout": 7.0,
         "max_queued_requests": 12, "staging_bytes": 1000000, "queue_timeout": 4.5,
         "allowed_media_domains": ["img.example"], "allowed_local_media_path": ["/srv/a", "/srv/b"],
-        "max_total_tokens": 4096, "device": "cpu", "language_model": "none"}
+        "device": "cpu", "transfer_only": True}
 
 
 def test_upstream_epd_flags_are_aliases_of_our_modes(parsed) -> None:
-    """``--encoder-only`` / ``--language-only`` (SGLang's own EPD flags) start our workers, and
-    ``--encoder-urls`` as SGLang parsed it reaches the language worker."""
+    """``--encoder-only`` starts our encode worker (``--language-only``: SGLang's server, below)."""
     encode = parsed["encoder-only"]
     assert encode.returncode == 0, encode.stderr[-2000:]
     assert line(encode.stdout, "WORKER")["disaggregation_mode"] == "encode" and "SGLANG " not in encode.stdout
-    language = parsed["language-only-native"]
-    assert language.returncode == 0, language.stderr[-2000:]
-    args = line(language.stdout, "WORKER")
-    assert args["disaggregation_mode"] == "language"
-    assert args["encoder_urls"] == ["http://10.0.0.1:30001", "http://10.0.0.2:30001"]
+
+
+def test_workers_without_a_checkpoint_start_through_sglangs_launcher_on_our_flags(parsed) -> None:
+    """The fake encoder and the transfer-only receiver need no model: SGLang's parser (which
+    requires one) is not asked; our parser takes every flag, and refuses one only SGLang's server has."""
+    fake = line(parsed["fake-encoder"].stdout, "WORKER")
+    assert (fake["disaggregation_mode"], fake["encoder"], fake["port"], fake["model_path"]) == ("encode", "fake", 31242,
+                                                                                                None)
+    receiver = line(parsed["receiver"].stdout, "WORKER")
+    assert (receiver["disaggregation_mode"], receiver["hidden_size"], receiver["checkpoint_dir"]) == (
+        "language", 1024, "/srv/ckpt")
+    refused = parsed["sglang-flag-without-model"]
+    assert refused.returncode == 2 and "unrecognized arguments: --enable-metrics" in refused.stderr
+    assert "WORKER " not in refused.stdout and "SGLANG " not in refused.stdout
 
 
 @pytest.mark.parametrize("mode", list(LANGUAGE_MODES))
@@ -180,11 +184,11 @@ def test_on_a_cpu_small_requests_do_not_wait_for_big_ones(parsed) -> None:
         "sleep_on_idle": "True", "enable_mixed_chunk": "True"}
 
 
-def test_our_own_launcher_refuses_the_sglang_backend() -> None:
-    res = subprocess.run([sys.executable, "-m", "sglang_ext.launch_server", "--disaggregation-mode", "language",
-                          "--language-backend", "sglang"], capture_output=True, text=True, timeout=120)
-    assert res.returncode != 0
-    assert "start it with python -m sglang.launch_server --disaggregation-mode language" in res.stderr
+def test_our_old_launcher_is_an_alias_of_sglangs() -> None:
+    res = subprocess.run([sys.executable, "-m", "sglang_ext.launch_server", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "--disaggregation-mode {null,prefill,decode,encode,language}" in res.stdout  # SGLang's parser, ours added
 
 
 def test_unsupported_backend_in_our_modes_is_a_clear_error(parsed) -> None:
@@ -235,10 +239,12 @@ def test_the_plugin_costs_nothing_in_other_sglang_processes() -> None:
     assert not re.search(r"'(connector|embedding_side|language_side|torch|transformers|sglang_ext\.args)\b", new_modules)
 
 
-@pytest.mark.parametrize("command", [SGLANG_LAUNCH, SGLANG_SERVE], ids=["launch_server", "sglang_serve"])
-def test_4k_image_through_workers_started_by_sglang(command, checkpoint, images) -> None:  # noqa: F811
+def test_4k_image_through_workers_started_by_sglang_serve(checkpoint, images) -> None:  # noqa: F811
+    """``sglang serve`` as the launcher (every other test starts its workers with ``python -m
+    sglang.launch_server``)."""
+    command = SGLANG_SERVE
     encode = WorkerProcess("encode", "--model-path", checkpoint, command=command)
-    language = WorkerProcess("language", "--model-path", checkpoint, "--language-model", "none", command=command)
+    language = WorkerProcess("language", "--model-path", checkpoint, "--transfer-only", command=command)
     try:
         start = time.monotonic()
         res = run_request(encode.url, language.url, encode.bootstrap_port, "sg-4k", 77, [images["4k"]], 120)
@@ -250,22 +256,3 @@ def test_4k_image_through_workers_started_by_sglang(command, checkpoint, images)
         assert time.monotonic() - stopped < 2.0, f"the encode worker took {time.monotonic() - stopped:.2f}s to exit"
     finally:
         assert language.stop() == 0 and encode.stop() == 0
-
-
-def test_a_language_worker_started_by_sglang_generates_the_model_tokens(checkpoint) -> None:
-    """``--model-path`` through SGLang's launcher reaches our language engine (and its KV budget)
-    with ``--language-backend native``."""
-    language = WorkerProcess("language", "--model-path", checkpoint, "--max-total-tokens", "2048",
-                             "--language-backend", "native", command=SGLANG_LAUNCH)
-    try:
-        assert "kv_budget=2048 tokens" in language.ready_line
-        text = "<|im_start|>user\nHello from SGLang.<|im_end|>\n<|im_start|>assistant\n"
-        answer = requests.post(f"{language.url}/generate", json={"text": text, "sampling_params": {
-            "max_new_tokens": 12}}, timeout=120)
-        assert answer.status_code == 200, answer.text
-    finally:
-        assert language.stop() == 0
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = LanguageModel(checkpoint)
-    expected = greedy(model, build_prompt(tokenizer, text, [], model.max_length), None, 12, {tokenizer.eos_token_id})
-    assert answer.json()["output_ids"] == expected

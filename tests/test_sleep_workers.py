@@ -17,7 +17,7 @@ import requests
 from test_faults import wait_for
 from test_workers import Pair, assert_pools_free, images  # noqa: F401  (fixture)
 from transfer_large_image import make_image, run_request
-from workers import WorkerProcess
+from workers import WorkerProcess, start_together
 
 from connector.poll import KVPoll
 from connector.receiver import EmbeddingReceiver, finish_receiving
@@ -205,12 +205,15 @@ def test_corrupt_truncated_or_mismatched_checkpoints_are_refused_whole(images, t
             health = requests.get(f"{language.url}/health", timeout=10).json()
             assert health["state"] == "asleep" and health["transferring"] == 0 and health["queued"] == 0
 
-        language = WorkerProcess("language", "--checkpoint-dir", str(ckpt), "--hidden-size", "1024")
+        # two workers booted asleep on the folder at once: one that does not match it, and one
+        # whose wake-ups each read the folder again, so a refused one can be retried once the
+        # files are put right (here: damaged otherwise)
+        language, other = start_together(
+            lambda: WorkerProcess("language", "--checkpoint-dir", str(ckpt), "--hidden-size", "1024"),
+            lambda: WorkerProcess("language", "--checkpoint-dir", str(ckpt)))
         refused("hidden_size=3584; this worker has hidden_size=1024")
         language.stop()
-        # one worker booted asleep on the folder: each wake-up reads the folder again, so a
-        # refused one can be retried once the files are put right (here: damaged otherwise)
-        language = WorkerProcess("language", "--checkpoint-dir", str(ckpt))
+        language = other
         for name, damage, words in [
                 ("language.safetensors", lambda b: b[:-1] + bytes([b[-1] ^ 1]), "corrupt or truncated"),
                 ("language.json", lambda b: b[: len(b) // 2], "corrupt or truncated"),
@@ -336,6 +339,7 @@ def test_encode_restart_from_checkpoint_dir_continues_rooms_in_every_phase(make_
 def test_corrupt_or_mismatched_encode_checkpoint_is_refused_whole(images, tmp_path: Path) -> None:  # noqa: F811
     ckpt = tmp_path / "ckpt"
     encode = WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", str(ckpt))
+    booted: list[WorkerProcess] = []
     try:
         resp = requests.post(f"{encode.url}/encode", json={"rid": "c", "bootstrap_room": 5, "images": [images["2k"]],
                                                           "wait_for_delivery": False},
@@ -345,26 +349,28 @@ def test_corrupt_or_mismatched_encode_checkpoint_is_refused_whole(images, tmp_pa
         encode.stop()
         good = {p.name: p.read_bytes() for p in ckpt.iterdir()}
         assert set(good) == {"encode.json", "encode.safetensors", "encode.sha256"}
-        for damage, args, words in [
-            (("encode.safetensors", lambda b: b[:-7]), (), "corrupt or truncated"),
-            (None, ("--hidden-size", "1024"), "hidden_size=3584; this worker has hidden_size=1024"),
-            (None, ("--embedding-cache-buffer-size", "16"), "holds rooms of up to 42 blocks; this worker's pool has 16"),
-        ]:
-            if damage:
-                (ckpt / damage[0]).write_bytes(damage[1](good[damage[0]]))
-            encode = WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", str(ckpt), *args)
+        # three workers booted asleep on the folder at once (each wake-up reads it again): two that
+        # do not match it, and one that finds it damaged, then discards it
+        cases = [(("--hidden-size", "1024"), "hidden_size=3584; this worker has hidden_size=1024"),
+                 (("--embedding-cache-buffer-size", "16"), "holds rooms of up to 42 blocks; this worker's pool has 16"),
+                 ((), "corrupt or truncated")]
+        booted = start_together(*(lambda args=args: WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir",
+                                                                  str(ckpt), *args) for args, _ in cases))
+        for encode, (args, words) in zip(booted, cases, strict=True):
+            if not args:  # the last: the folder damaged once the others have read it whole
+                (ckpt / "encode.safetensors").write_bytes(good["encode.safetensors"][:-7])
             resp = wake(encode)
             assert resp.status_code == 422 and words in resp.json()["error"], resp.text
             health = requests.get(f"{encode.url}/health", timeout=10).json()
             assert health["state"] == "asleep" and health["active_rooms"] == 0
-            encode.stop()
-            for name, data in good.items():
-                (ckpt / name).write_bytes(data)
-        encode = WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", str(ckpt))
+        for worker in booted[:2]:
+            worker.stop()
+        encode = booted[2]
         assert wake(encode, discard_checkpoint="true").json()["restored_requests"] == 0
         assert not any(ckpt.iterdir())
     finally:
-        encode.stop()
+        for worker in [encode, *booted]:
+            worker.stop()
 
 
 def test_a_checkpoint_that_cannot_be_written_keeps_the_rooms_in_memory(images, tmp_path: Path) -> None:  # noqa: F811

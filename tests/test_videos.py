@@ -20,7 +20,7 @@ from embedding_side.images import ImageInputError, MediaPolicy
 from embedding_side.videos import container, open_video
 from language_side.dispatch import EncoderDispatch, ImageRefused, video_layout
 from language_side.embedding_cache import EmbeddingCache
-from language_side.prompt import PromptError
+from language_side.layout import LayoutError
 from sglang_ext.mm_receiver import EmbeddingUnavailable, ResumableReceiver, media_sources
 
 pytestmark = pytest.mark.fast
@@ -115,7 +115,7 @@ def test_the_language_side_checks_a_video_answer_before_placing_its_rows() -> No
                               ({"grid_thw": [[4, 17, 24]]}, 408, 1), ({"grid_thw": [[-4, 18, 24]]}, -432, 1),
                               ({**answer, "video_timestamps": [[0.25]]}, 432, 1),
                               ({**answer, "video_timestamps": [["soon"] * 4]}, 432, 1), ({}, 432, 1)):
-        with pytest.raises(PromptError):
+        with pytest.raises(LayoutError):
             video_layout(bad, rows, videos)
 
 

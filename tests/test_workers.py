@@ -22,7 +22,7 @@ import requests
 import zmq
 from PIL import Image
 from transfer_large_image import make_image, run_request
-from workers import InProcessWorker, WorkerProcess
+from workers import SGLANG_LAUNCH, InProcessWorker, WorkerProcess
 
 from connector.bootstrap import fetch_route
 from connector.messages import InitMsg
@@ -449,10 +449,10 @@ def test_encoder_dying_mid_request_gives_a_5xx_naming_the_peer(images) -> None:
         assert pair.language.stop() == 0
 
 
-def test_help_states_defaults_and_pool_bytes_without_sglang() -> None:
-    out = subprocess.run([sys.executable, "-m", "sglang_ext.launch_server", "--help"], capture_output=True, text=True,
+def test_help_states_defaults_and_pool_bytes() -> None:
+    out = subprocess.run([*SGLANG_LAUNCH, "--help"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent, check=True).stdout
-    assert "--disaggregation-mode {encode,language}" in out
+    assert "--disaggregation-mode {null,prefill,decode,encode,language}" in out
     assert "default 512 = 449 MiB at hidden 3584 bfloat16" in re.sub(r"\s+", " ", out)
     for flag in ("--disaggregation-bootstrap-port", "--disaggregation-transfer-backend", "--disaggregation-ib-device",
                  "--model-path", "--tp-size", "SGLANG_EMBEDDING_DEFAULT_ALLOCATE_BUFFER_SIZE"):

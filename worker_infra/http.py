@@ -167,6 +167,14 @@ def check_host(value: str) -> str:
     return f"[{address}]" if address.version == 6 else str(address)
 
 
+def encoder_host(url: str) -> str:
+    """The host of an ``--encoder-urls`` entry; ValueError for anything but ``http://host:port``."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+        raise ValueError(f"--encoder-urls: {url!r} is not http://host:port")
+    return parts.hostname
+
+
 class BootstrapAllowList:
     """The encoders a request may name by ``bootstrap_host``/``bootstrap_port`` (the two-request
     flow): the hosts of ``--encoder-urls`` and the entries of ``--allowed-bootstrap-hosts``
@@ -177,7 +185,7 @@ class BootstrapAllowList:
         self._hosts: set[str] = set()
         self._addrs: set[tuple[str, int]] = set()
         for url in encoder_urls:
-            self._hosts.add(_canonical_host(urlsplit(url).hostname or ""))
+            self._hosts.add(_canonical_host(encoder_host(url)))
         for entry in entries:
             host, port = _host_and_port(entry)
             if port is None:

@@ -1,0 +1,149 @@
+"""Does receiving a large image's embedding stall SGLang's decoding?
+
+An encode worker (transformers' tower, ``--encoder qwen``) and SGLang's language server on the
+seeded checkpoint of the 7B's width (hidden 3584, one layer: a 3840x2160 image is 10,549 rows,
+75.6 MB). ``--streams`` greedy text streams decode; once they run steadily, 3840x2160 images
+(a new one each time, the embedding cache off) are sent one after another as one-token
+requests. Each image's receive window is the part of its ``transfer_ms`` after its
+``encode_ms`` (the encoder's forward pass excluded: on a shared CPU it competes for the cores
+whatever the connector does), until the embedding is assembled in the language server (its
+prefill, which follows, excluded). The inter-token gaps of the streams that overlap a receive
+window are compared with the gaps of the same streams before the first image: the last
+line is ``stall_p99_ratio=<p99 in windows / p99 quiet>`` (issue 36's target: at most 1.2).
+
+    .venv/bin/python scripts/bench_stall.py [--streams 8] [--images 4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_checkpoint import write_checkpoint  # noqa: E402
+from transfer_large_image import make_image  # noqa: E402
+from workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, free_port, start_together  # noqa: E402
+
+PROMPT = "<|im_start|>user\n{images}Stream {i}: count slowly.<|im_end|>\n<|im_start|>assistant\n"
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def start(folder: str, timeout: float = 300.0) -> tuple[WorkerProcess, WorkerProcess]:
+    encode_port = free_port()
+    encode, language = start_together(
+        lambda: WorkerProcess("encode", "--model-path", folder, "--encoder", "qwen", port=encode_port,
+                              command=SGLANG_LAUNCH, timeout=timeout),
+        lambda: WorkerProcess("language", "--model-path", folder, "--encoder-urls", f"http://127.0.0.1:{encode_port}",
+                              "--skip-server-warmup", "--max-total-tokens", "65536", "--image-embedding-cache-bytes",
+                              "0", command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=timeout))
+    return encode, language
+
+
+def stream(url: str, i: int, tokens: int, arrivals: list[float], started: threading.Event) -> None:
+    """One greedy text stream; the arrival time of each of its token events into ``arrivals``."""
+    body = {"text": PROMPT.format(images="", i=i), "stream": True,
+            "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+    with requests.post(f"{url}/generate", json=body, stream=True, timeout=600) as answer:
+        answer.raise_for_status()
+        for line in answer.iter_lines():
+            if line.startswith(b"data: {"):
+                arrivals.append(time.monotonic())
+                if len(arrivals) == 10:
+                    started.set()
+
+
+def receive_window(url: str, path: str) -> tuple[float, float]:
+    """Send one image as a one-token request; its receive window in this process's clock."""
+    sent = time.monotonic()
+    answer = requests.post(f"{url}/generate", timeout=600, json={
+        "text": PROMPT.format(images=IMAGE, i="image"), "image_data": [path],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    answer.raise_for_status()
+    meta = answer.json()["meta_info"]
+    return sent + (meta["queue_ms"] + meta["encode_ms"]) / 1e3, sent + (meta["queue_ms"] + meta["transfer_ms"]) / 1e3
+
+
+def gaps_in(arrivals: list[float], windows: list[tuple[float, float]] | None, before: float) -> list[float]:
+    """Gaps between a stream's tokens, in ms: those that overlap a window (a stall inside it
+    shows as a long gap, which may end after it), or (``windows`` None) those ending before
+    ``before``."""
+    t = np.asarray(arrivals)
+    start, end = t[:-1], t[1:]
+    if windows is None:
+        keep = end < before
+    else:
+        keep = np.zeros(len(end), bool)
+        for lo, hi in windows:
+            keep |= (end > lo) & (start < hi)
+    return ((end - start)[keep] * 1e3).tolist()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--images", type=int, default=4, help="3840x2160 images sent one after another")
+    ap.add_argument("--quiet-s", type=float, default=4.0, help="seconds of steady decoding measured before them")
+    ap.add_argument("--size", default="3840x2160")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    width, height = (int(v) for v in args.size.split("x"))
+    tmp = tempfile.TemporaryDirectory(prefix="bench-stall-")
+    print("writing the seeded checkpoint (hidden 3584) and the images ...", file=sys.stderr, flush=True)
+    folder = str(write_checkpoint(Path(tmp.name) / "model", 3584))
+    paths = []
+    for k in range(args.images):
+        paths.append(str(Path(tmp.name) / f"img{k}.png"))
+        make_image(width, height, seed=500 + k).save(paths[-1])
+    encode, language = start(folder)
+    try:
+        warm = str(Path(tmp.name) / "warm.png")
+        make_image(448, 448, seed=7).save(warm)
+        receive_window(language.url, warm)  # first passes of both sides
+        # enough tokens to outlast the quiet window and every image (a step is ~0.1-0.3 s here)
+        tokens = int(40 + (args.quiet_s + 30 * args.images) / 0.05)
+        arrivals: list[list[float]] = [[] for _ in range(args.streams)]
+        started = [threading.Event() for _ in range(args.streams)]
+        threads = [threading.Thread(target=stream, args=(language.url, i, tokens, arrivals[i], started[i]), daemon=True)
+                   for i in range(args.streams)]
+        for thread in threads:
+            thread.start()
+        for event in started:
+            assert event.wait(300), "a stream did not start"
+        time.sleep(args.quiet_s)
+        first_sent = time.monotonic()
+        windows = [receive_window(language.url, path) for path in paths]
+        requests.post(f"{language.url}/abort_request", json={"abort_all": True, "rid": ""}, timeout=30)
+        for thread in threads:
+            thread.join(60)
+    finally:
+        language.stop()
+        encode.stop()
+    quiet = [g for a in arrivals for g in gaps_in(a, None, first_sent)]
+    stalled = [g for a in arrivals for g in gaps_in(a, windows, 0.0)]
+    row = {"streams": args.streams, "images": args.images, "size": args.size,
+           "windows_ms": [round((hi - lo) * 1e3, 1) for lo, hi in windows],
+           "quiet_gaps": len(quiet), "window_gaps": len(stalled),
+           "quiet_p50_ms": round(float(np.percentile(quiet, 50)), 1), "quiet_p99_ms": round(float(np.percentile(quiet, 99)), 1),
+           "window_p50_ms": round(float(np.percentile(stalled, 50)), 1) if stalled else None,
+           "window_p99_ms": round(float(np.percentile(stalled, 99)), 1) if stalled else None}
+    print(f"{'gaps':>8} {'count':>6} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'quiet':>8} {row['quiet_gaps']:>6} {row['quiet_p50_ms']:>8} {row['quiet_p99_ms']:>8}")
+    print(f"{'receive':>8} {row['window_gaps']:>6} {row['window_p50_ms']!s:>8} {row['window_p99_ms']!s:>8}")
+    print(f"receive windows (ms): {row['windows_ms']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(row, indent=1))
+    if not stalled:
+        raise SystemExit("no token gap ended inside a receive window: more streams or images")
+    print(f"stall_p99_ratio={row['window_p99_ms'] / row['quiet_p99_ms']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
