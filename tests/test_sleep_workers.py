@@ -156,8 +156,8 @@ def test_bad_sleep_parameters_are_refused(pair) -> None:
 
 def test_restart_from_checkpoint_dir_continues_the_transfers(images, reference, tmp_path: Path) -> None:  # noqa: F811
     ckpt = str(tmp_path / "ckpt")
-    encode = WorkerProcess("encode", *QUEUE)
-    language = WorkerProcess("language", "--checkpoint-dir", ckpt)
+    encode, language = start_together(lambda: WorkerProcess("encode", *QUEUE),
+                                      lambda: WorkerProcess("language", "--checkpoint-dir", ckpt))
     try:
         body = {"rid": "keep", "bootstrap_host": "127.0.0.1", "bootstrap_port": encode.bootstrap_port,
                 "bootstrap_room": 9090}
@@ -188,8 +188,8 @@ def test_restart_from_checkpoint_dir_continues_the_transfers(images, reference, 
 
 def test_corrupt_truncated_or_mismatched_checkpoints_are_refused_whole(images, tmp_path: Path) -> None:  # noqa: F811
     ckpt = tmp_path / "ckpt"
-    encode = WorkerProcess("encode", *QUEUE)
-    language = WorkerProcess("language", "--checkpoint-dir", str(ckpt))
+    encode, language = start_together(lambda: WorkerProcess("encode", *QUEUE),
+                                      lambda: WorkerProcess("language", "--checkpoint-dir", str(ckpt)))
     body = {"rid": "c", "bootstrap_host": "127.0.0.1", "bootstrap_port": encode.bootstrap_port, "bootstrap_room": 31}
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -396,9 +396,10 @@ def test_both_workers_restart_from_their_checkpoints(images, tmp_path: Path) -> 
     are killed and restarted on their folders: the language side notices the new encoder by its
     incarnation, and the transfer completes for a client that asks again."""
     enc_dir, lang_dir = str(tmp_path / "encode"), str(tmp_path / "language")
-    encode = WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", enc_dir)
     lang_env = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5"}
-    language = WorkerProcess("language", "--checkpoint-dir", lang_dir, env=lang_env)
+    encode, language = start_together(
+        lambda: WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", enc_dir),
+        lambda: WorkerProcess("language", "--checkpoint-dir", lang_dir, env=lang_env))
     body = {"rid": "both", "bootstrap_host": "127.0.0.1", "bootstrap_port": encode.bootstrap_port,
             "bootstrap_room": 77}
     try:
@@ -414,9 +415,10 @@ def test_both_workers_restart_from_their_checkpoints(images, tmp_path: Path) -> 
             for worker in (language, encode):
                 os.kill(worker.proc.pid, signal.SIGKILL)
                 worker.proc.wait()
-        encode = WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", enc_dir,
-                               bootstrap_port=encode.bootstrap_port)
-        language = WorkerProcess("language", "--checkpoint-dir", lang_dir, env=lang_env)
+        encode, language = start_together(
+            lambda: WorkerProcess("encode", "--encoder", "fake", "--checkpoint-dir", enc_dir,
+                                  bootstrap_port=encode.bootstrap_port),
+            lambda: WorkerProcess("language", "--checkpoint-dir", lang_dir, env=lang_env))
         assert wake(encode).json()["restored_requests"] == 1
         assert wake(language).json()["restored_requests"] == 1
         result = requests.post(f"{language.url}/generate", json=body, timeout=60).json()

@@ -22,7 +22,7 @@ import requests
 import zmq
 from PIL import Image
 from transfer_large_image import make_image, run_request
-from workers import SGLANG_LAUNCH, InProcessWorker, WorkerProcess
+from workers import SGLANG_LAUNCH, InProcessWorker, WorkerProcess, start_together
 
 from connector.bootstrap import fetch_route
 from connector.messages import InitMsg
@@ -36,8 +36,8 @@ TRUSTED_MEDIA = MediaPolicy.create(["/"])  # for the tests' own reference encodi
 
 class Pair:
     def __init__(self, *args: str, encode_args: tuple[str, ...] = (), language_args: tuple[str, ...] = ()) -> None:
-        self.encode = WorkerProcess("encode", *args, *encode_args)
-        self.language = WorkerProcess("language", *args, *language_args)
+        self.encode, self.language = start_together(lambda: WorkerProcess("encode", *args, *encode_args),
+                                                    lambda: WorkerProcess("language", *args, *language_args))
         self.rooms = iter(range(1000, 10**6))
 
     @classmethod
