@@ -16,6 +16,11 @@ Block ``b`` of buffer ``i`` lives at ``base_ptrs[i] + b * item_lens[i]``. In a p
 block of ``n`` tokens every buffer holds its first ``item_len * n / block_size`` bytes; M-RoPE
 positions of such a block are laid out ``[3, n]``. ``aux[0]`` is the request's total tokens,
 ``aux[1]`` the M-RoPE delta; it travels with the first block of the first round only.
+
+Where CUDA is present the embedding buffer is page-locked (``cudaHostRegister``), so that the
+encoder's copy from the GPU into its blocks and a copy from received blocks to the GPU run at
+DMA speed (an H200: 1.4 ms for 75.6 MB pinned, 11.3 ms pageable); on a machine without CUDA
+it is plain memory.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,8 +87,9 @@ class BufferPool:
     """The four block buffers of one worker; see the module docstring for the layout."""
 
     def __init__(self, num_blocks: int, block_size: int, hidden_size: int, dtype: str = "bfloat16",
-                 prefault: bool = True) -> None:
-        """``prefault=False`` returns at once; call :meth:`prefault_in_background` then (wake-up)."""
+                 prefault: bool = True, pinned: bool | None = None) -> None:
+        """``prefault=False`` returns at once; call :meth:`prefault_in_background` then (wake-up).
+        ``pinned``: page-lock the embedding buffer for CUDA; None: where CUDA is present."""
         if dtype not in DTYPE_SIZES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
         if min(num_blocks, block_size, hidden_size) <= 0:
@@ -95,14 +102,23 @@ class BufferPool:
         self.aux = np.empty((num_blocks, AUX_INTS), np.int32)
         for buf in self.buffers[1:]:  # small: zero them
             buf.fill(0)
+        self.pinned = cuda_present() if pinned is None else pinned
+        if self.pinned and not cuda_present():
+            raise ValueError("a pinned pool needs CUDA (torch with a visible GPU); none is present")
         if prefault:  # fault every page in now, not during the first transfers
-            if not _populate(self.embeddings):
-                self.embeddings.fill(0)
+            self._fault_in()
 
     def prefault_in_background(self) -> None:
-        """Fault the embedding pages in on a thread, leaving their contents alone, so a wake-up
-        does not wait for the kernel to hand over the whole pool (transfers may already run)."""
-        threading.Thread(target=_populate, args=(self.embeddings,), name="pool-prefault", daemon=True).start()
+        """Fault the embedding pages in (and pin them) on a thread, leaving their contents alone,
+        so a wake-up does not wait for the kernel to hand over the whole pool (transfers may
+        already run: pinning moves no byte)."""
+        threading.Thread(target=self._fault_in, name="pool-prefault", daemon=True).start()
+
+    def _fault_in(self) -> None:
+        if not _populate(self.embeddings):
+            self.embeddings.fill(0)
+        if self.pinned:
+            _pin(self.embeddings)
 
     @property
     def buffers(self) -> tuple[np.ndarray, ...]:
@@ -205,6 +221,27 @@ def _runs(block_ids: list[int], num_tokens: int, block_size: int) -> list[tuple[
     ends = np.concatenate((starts[1:], [len(ids)]))
     return [(int(ids[s]), int(s) * block_size, min(int(e) * block_size, num_tokens) - int(s) * block_size)
             for s, e in zip(starts, ends, strict=True)]
+
+
+def cuda_present() -> bool:
+    """Whether this process can page-lock memory for CUDA: torch installed and a GPU visible."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _pin(buf: np.ndarray) -> None:
+    """Page-lock ``buf`` for CUDA until it is freed (unregistered just before its memory goes)."""
+    import torch
+
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(buf.ctypes.data, buf.nbytes, 0)
+    if error != cudart.cudaError.success:
+        raise RuntimeError(f"cudaHostRegister of {buf.nbytes} bytes failed: {cudart.cudaGetErrorString(error)}")
+    # numpy calls an array's weakref callbacks before it frees the array's memory
+    weakref.finalize(buf, cudart.cudaHostUnregister, buf.ctypes.data)
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without touching their contents

@@ -61,12 +61,20 @@ def setting(default: Any, *, help: str, env: str | None = None, flag: str | None
         env=env, flag=flag, help=help, metavar=metavar, choices=choices, shown=shown, sglang=sglang)})
 
 
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]", "*")
+
+
 @dataclass
 class ConnectorConfig:
     """Every connector setting; a field declared with :func:`setting` is a row of :data:`SETTINGS`.
     Every number must be positive."""
 
     host: str = setting("127.0.0.1", flag="--host", sglang=True, help="interface every server binds")
+    advertise_host: str = setting(
+        "", flag="--advertise-host", env="SGLANG_EMBEDDING_ADVERTISE_HOST", metavar="ADDRESS",
+        shown=lambda c: c.advertise_host or f"--host ({c.host})",
+        help="the address peers on other hosts reach this worker at: put in every control message, Mooncake's "
+             "session id and the bootstrap route (default: --host; needed when --host binds every interface)")
     hidden_size: int = 3584  # the embedding width: --hidden-size or the model's config (sglang_ext.args)
     dtype: str = "bfloat16"
     block_size: int = setting(
@@ -162,6 +170,14 @@ class ConnectorConfig:
                              "without blanks")
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+        if self.public_host in WILDCARD_HOSTS:
+            raise ValueError(f"--host {self.host or '(empty)'} binds every interface and is no address a peer can reach "
+                             "this worker at: give --advertise-host (this host's address on the network its peers use)")
+
+    @property
+    def public_host(self) -> str:
+        """The address peers reach this worker at (every message that names this worker carries it)."""
+        return self.advertise_host or self.host
 
     def blocks_for(self, num_tokens: int) -> int:
         """Whole blocks that hold ``num_tokens`` tokens."""

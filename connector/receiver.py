@@ -386,9 +386,9 @@ class EmbeddingReceiver:
             if isinstance(eff, SendRound):
                 frames, register = self._round_frames(eff.block_ids, eff.start), eff.register
             elif isinstance(eff, SendAbort):
-                frames, register = AbortMsg(self.room, m.config.host, m.rank_port, m.generation).encode(), False
+                frames, register = AbortMsg(self.room, m.config.public_host, m.rank_port, m.generation).encode(), False
             else:
-                frames, register = SuspendMsg(self.room, m.config.host, m.rank_port, m.generation).encode(), False
+                frames, register = SuspendMsg(self.room, m.config.public_host, m.rank_port, m.generation).encode(), False
             if not m._send_to(self.route, frames, register):
                 self.handle(SendFailed())
 
@@ -397,9 +397,9 @@ class EmbeddingReceiver:
         m = self._m
         allocated = len(block_ids) * m.config.block_size
         if resume_from is None:
-            msg = InitMsg(self.room, m.config.host, m.rank_port, m.transport.session_id, tuple(block_ids), 1, allocated)
+            msg = InitMsg(self.room, m.config.public_host, m.rank_port, m.transport.session_id, tuple(block_ids), 1, allocated)
         else:
-            msg = ResumeMsg(self.room, m.config.host, m.rank_port, m.transport.session_id, tuple(block_ids), 1,
+            msg = ResumeMsg(self.room, m.config.public_host, m.rank_port, m.transport.session_id, tuple(block_ids), 1,
                             resume_from, allocated)
         return msg.encode()
 
@@ -494,7 +494,7 @@ class EmbeddingReceiverManager:
         """A request with no receiver is gone: tell the encoder (at once when its route is known,
         else once a lookup finds it) so it drops any encode of the room. Nothing waits for the
         answer: no block is involved."""
-        frames = AbortMsg(room, self.config.host, self.rank_port, self.generation).encode()
+        frames = AbortMsg(room, self.config.public_host, self.rank_port, self.generation).encode()
         if route is not None:
             if route.extended:  # a fork encoder takes no abort; its encode request times out there
                 self._send_to(route, frames)
@@ -588,7 +588,7 @@ class EmbeddingReceiverManager:
     # ---- sending ---------------------------------------------------------------------------
 
     def _register_msg(self) -> RegisterMsg:
-        return RegisterMsg(self.config.host, self.rank_port, self.transport.session_id, self.pool.base_ptrs,
+        return RegisterMsg(self.config.public_host, self.rank_port, self.transport.session_id, self.pool.base_ptrs,
                            self.generation, self.pool.num_blocks, self.pool.item_lens)
 
     def _send_to(self, route: RankRoute, frames: list[bytes], register: bool = False) -> bool:

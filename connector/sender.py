@@ -169,7 +169,7 @@ class EmbeddingSenderManager:
         self._pull = PullLoop(self._context, config.host, self._on_message, "encode-connector-pull", self.rejections,
                               config.secret)
         self.rank_port = self._pull.port
-        self.peers = LanguagePeers(self._push, config.host, self.rank_port, config.heartbeat_interval,
+        self.peers = LanguagePeers(self._push, config.public_host, self.rank_port, config.heartbeat_interval,
                                    config.heartbeat_max_failures)
         self._writers: WriteWorkers[tuple[SenderRoom, Write]] = WriteWorkers(
             config.transfer_workers, "encode-transfer", self._run_write)
@@ -493,12 +493,16 @@ class EmbeddingSenderManager:
             mismatch = (f"pool layout mismatch: peer item lengths {msg.item_lens[:4]} vs ours "
                         f"{self.pool.item_lens} (block size or hidden size differ)")
         busy = lambda: {d.peer for r in self._rooms.values() if r.live for d in r.dsts}  # noqa: E731
+        known = self.peers.registered_at(msg.endpoint, msg.dst_port)
         refused = self.peers.register(msg, mismatch, busy)
         if refused:
             limit = refused.endswith("all with live rooms")
             self.rejections.reject("register_limit" if limit else "register_conflict", refused)
         elif mismatch:
             log.warning("language peer %s: %s", msg.session_id, mismatch)
+        elif not known:
+            log.info("language peer registered: zmq=tcp://%s:%d mooncake=%s generation %s", msg.endpoint, msg.dst_port,
+                     msg.session_id, msg.generation)
 
     def _on_pong(self, msg: PongMsg) -> None:
         outcome = self.peers.on_pong(msg)

@@ -22,6 +22,14 @@ _QUEUE_LIMIT = 100_000  # control messages queued for one peer (a few hundred by
 # Peers with an open PUSH socket; beyond it the least recently used one is closed. Well below a
 # ZMQ context's 1023 sockets: a flood of messages naming made-up reply addresses cannot use them up.
 MAX_SOCKETS = 256
+# A link cut for longer than a few seconds (a partition, not a death) leaves TCP retransmitting
+# what was sent with a back-off that grows past a minute: once the link is back, everything
+# queued behind those bytes (the next request's init) would wait for the next retry. A
+# connection whose bytes go unacknowledged this long is dropped and ZMQ connects again (the
+# unacknowledged control messages are lost: their rooms end by liveness checks or timeouts),
+# and a connect unanswered this long is tried again, not left to the kernel's 2-minute SYN retries.
+UNACKED_MS = 5000
+CONNECT_MS = 1000
 
 
 class PushSockets:
@@ -46,6 +54,8 @@ class PushSockets:
                 sock.setsockopt(zmq.LINGER, 1000)
                 sock.setsockopt(zmq.SNDHWM, _QUEUE_LIMIT)
                 sock.setsockopt(zmq.SNDTIMEO, 0)
+                sock.setsockopt(zmq.TCP_MAXRT, UNACKED_MS)
+                sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_MS)
                 sock.connect(f"tcp://{_bracket(host)}:{port}")
                 self._sockets[(host, port)] = sock
             self._sockets.move_to_end((host, port))

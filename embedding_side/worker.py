@@ -81,13 +81,13 @@ class EncodeWorker:
         self.checkpoint_dir = checkpoint_dir
         self.pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
         self.allocator = BlockAllocator(config.num_blocks)
-        self.transport = MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion)
+        self.transport = MooncakeTransport(config.public_host, config.protocol, config.ib_device, config.completion)
         self.sender = EmbeddingSenderManager(config, self.transport, self.pool, self.allocator)
         self.gate = SleepGate("encode", queue_while_sleeping, config.max_sleep)
         self._on_disk = False  # asleep with every kept room written to the checkpoint folder
         self.bootstrap = BootstrapServer(config.host, bootstrap_port, health_status=self._bootstrap_health,
                                          secret=config.secret)
-        self.bootstrap.put_route(1, 1, config.host, self.sender.rank_port, 0)
+        self.bootstrap.put_route(1, 1, config.public_host, self.sender.rank_port, 0)
         self._loaders = ThreadPoolExecutor(4, thread_name_prefix="encode-load")
         # remote images on their own threads: slow servers cannot hold up local files and data: URIs
         self._fetchers = ThreadPoolExecutor(4, thread_name_prefix="encode-fetch")

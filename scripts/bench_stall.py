@@ -11,13 +11,19 @@ prefill, which follows, excluded). The inter-token gaps of the streams that over
 window are compared with the gaps of the same streams before the first image: the last
 line is ``stall_p99_ratio=<p99 in windows / p99 quiet>`` (issue 36's target: at most 1.2).
 
-    .venv/bin/python scripts/bench_stall.py [--streams 8] [--images 4] [--json out.json]
+``--isolate-scheduler`` gives SGLang's scheduler process CPU 0 alone and every other process
+(the encoder, SGLang's main process where the receive runs, this client) the other CPUs, each
+process with one compute thread, so that what remains in the ratio is what blocks the
+scheduler, not what shares its core.
+
+    .venv/bin/python scripts/bench_stall.py [--streams 8] [--images 4] [--isolate-scheduler] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -25,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,15 +43,38 @@ PROMPT = "<|im_start|>user\n{images}Stream {i}: count slowly.<|im_end|>\n<|im_st
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def start(folder: str, timeout: float = 300.0) -> tuple[WorkerProcess, WorkerProcess]:
+def start(folder: str, one_thread: bool, timeout: float = 300.0) -> tuple[WorkerProcess, WorkerProcess]:
+    """``one_thread``: one compute thread per process (the scheduler alone on a core would
+    otherwise run two spinning threads there)."""
     encode_port = free_port()
+    env = {"OMP_NUM_THREADS": "1"} if one_thread else None
     encode, language = start_together(
         lambda: WorkerProcess("encode", "--model-path", folder, "--encoder", "qwen", port=encode_port,
-                              command=SGLANG_LAUNCH, timeout=timeout),
+                              command=SGLANG_LAUNCH, timeout=timeout, env=env),
         lambda: WorkerProcess("language", "--model-path", folder, "--encoder-urls", f"http://127.0.0.1:{encode_port}",
                               "--skip-server-warmup", "--max-total-tokens", "65536", "--image-embedding-cache-bytes",
-                              "0", command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=timeout))
+                              "0", command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=timeout, env=env))
     return encode, language
+
+
+def isolate_scheduler(*workers: WorkerProcess) -> str:
+    """SGLang's scheduler process on CPU 0 alone, every other process of the run on the rest."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--isolate-scheduler needs at least 2 CPUs")
+    rest = cpus[1:]
+    os.sched_setaffinity(0, rest)
+    placed = []
+    for worker in workers:
+        root = psutil.Process(worker.proc.pid)
+        for process in [root, *root.children(recursive=True)]:
+            alone = "scheduler" in " ".join(process.cmdline() + [process.name()])
+            for thread in process.threads():  # affinity is per thread; set every existing one
+                os.sched_setaffinity(thread.id, [cpus[0]] if alone else rest)
+            placed.append(f"{process.name()}:{process.pid}->{'cpu0' if alone else 'rest'}")
+    if not any(p.endswith("cpu0") for p in placed):
+        raise SystemExit(f"no scheduler process found among {placed}")
+    return ", ".join(placed)
 
 
 def stream(url: str, i: int, tokens: int, arrivals: list[float], started: threading.Event) -> None:
@@ -92,6 +122,8 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=4, help="3840x2160 images sent one after another")
     ap.add_argument("--quiet-s", type=float, default=4.0, help="seconds of steady decoding measured before them")
     ap.add_argument("--size", default="3840x2160")
+    ap.add_argument("--isolate-scheduler", action="store_true",
+                    help="the scheduler process alone on CPU 0, everything else on the other CPUs")
     ap.add_argument("--json")
     args = ap.parse_args()
     width, height = (int(v) for v in args.size.split("x"))
@@ -102,11 +134,13 @@ def main() -> None:
     for k in range(args.images):
         paths.append(str(Path(tmp.name) / f"img{k}.png"))
         make_image(width, height, seed=500 + k).save(paths[-1])
-    encode, language = start(folder)
+    encode, language = start(folder, one_thread=args.isolate_scheduler)
     try:
         warm = str(Path(tmp.name) / "warm.png")
         make_image(448, 448, seed=7).save(warm)
         receive_window(language.url, warm)  # first passes of both sides
+        if args.isolate_scheduler:
+            print(f"affinity: {isolate_scheduler(encode, language)}", file=sys.stderr, flush=True)
         # enough tokens to outlast the quiet window and every image (a step is ~0.1-0.3 s here)
         tokens = int(40 + (args.quiet_s + 30 * args.images) / 0.05)
         arrivals: list[list[float]] = [[] for _ in range(args.streams)]
@@ -128,7 +162,7 @@ def main() -> None:
         encode.stop()
     quiet = [g for a in arrivals for g in gaps_in(a, None, first_sent)]
     stalled = [g for a in arrivals for g in gaps_in(a, windows, 0.0)]
-    row = {"streams": args.streams, "images": args.images, "size": args.size,
+    row = {"streams": args.streams, "images": args.images, "size": args.size, "isolated": args.isolate_scheduler,
            "windows_ms": [round((hi - lo) * 1e3, 1) for lo, hi in windows],
            "quiet_gaps": len(quiet), "window_gaps": len(stalled),
            "quiet_p50_ms": round(float(np.percentile(quiet, 50)), 1), "quiet_p99_ms": round(float(np.percentile(quiet, 99)), 1),

@@ -105,7 +105,7 @@ class PeerService:
         self.sleeping = threading.Event()
         self.bootstrap = BootstrapServer(config.host, bootstrap_port, secret=config.secret,
                                          health_status=lambda: "SLEEPING" if self.sleeping.is_set() else "OK")
-        self.bootstrap.put_route(1, 1, config.host, self.manager.rank_port, 0)
+        self.bootstrap.put_route(1, 1, config.public_host, self.manager.rank_port, 0)
         self.socket_send_started = [0.0]  # set by the socket baseline, when the process serves one
         self.senders: dict[int, EmbeddingSender] = {}
 
@@ -177,7 +177,7 @@ def main() -> None:
                              hidden_size=args.hidden_size, resume_timeout=args.resume_timeout,
                              bootstrap_timeout=args.bootstrap_timeout, completion=args.completion,
                              control_secret=args.control_secret)
-    service = PeerService(config, MooncakeTransport(config.host, config.protocol, config.ib_device, config.completion),
+    service = PeerService(config, MooncakeTransport(config.public_host, config.protocol, config.ib_device, config.completion),
                           args.bootstrap_port)
     socket_port = serve_socket_baseline(args.host, service.pool.embeddings, service.socket_send_started)
 

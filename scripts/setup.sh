@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Fresh-machine setup: Debian's libibverbs1 (Mooncake's TCP transport links it), then a
-# virtual environment at .venv with this package and its extras under the CPU pins.
+# Fresh-machine setup: Debian's libibverbs1 (Mooncake's TCP transport links it), iproute2 and
+# iptables (the tests' simulated hosts: scripts/hosts.py), then a virtual environment at .venv
+# with this package and its extras under the CPU pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then
+if ! ldconfig -p | grep -q 'libibverbs\.so\.1 ' || ! command -v ip >/dev/null || ! command -v tc >/dev/null \
+        || ! command -v iptables >/dev/null; then
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 iproute2 iptables >/dev/null
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv

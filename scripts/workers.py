@@ -45,14 +45,18 @@ class WorkerProcess:
 
     def __init__(self, mode: str, *extra: str, command: tuple[str, ...] = SGLANG_LAUNCH,
                  timeout: float = 120.0, env: dict[str, str] | None = None, bootstrap_port: int | None = None,
-                 port: int | None = None, trusted_media: bool = True, ready: str | None = None) -> None:
+                 port: int | None = None, trusted_media: bool = True, ready: str | None = None,
+                 host: str = "127.0.0.1", bind: str | None = None, netns: str | None = None) -> None:
         """``command`` is what starts a worker: SGLang's launcher (``sglang serve`` works the same).
         It gets free ports (HTTP, and bootstrap for an encode worker) unless ``port`` and
         ``bootstrap_port`` name them (a restart). An encode worker reads images under the temp
         directory and from loopback URLs (where tests and scripts put them), and a language worker
         takes requests naming encoders on loopback, unless ``trusted_media`` is false. It is up
         once a log line starts with ``READY `` (our workers), or holds ``ready``: by default
-        :data:`SGLANG_READY` for a language worker with ``--model-path`` (SGLang's own server)."""
+        :data:`SGLANG_READY` for a language worker with ``--model-path`` (SGLang's own server).
+        ``host``: the address it binds and peers reach it at; with ``bind`` (``0.0.0.0``) it binds
+        that and advertises ``host`` (``--advertise-host``). ``netns``: run it in that network
+        namespace (a simulated host, ``hosts.py``)."""
         if ready is None:
             sglang_server = mode == "language" and "--model-path" in extra and "--transfer-only" not in extra
             ready = SGLANG_READY if sglang_server else "READY "
@@ -60,8 +64,9 @@ class WorkerProcess:
         for attempt in range(1, PORT_ATTEMPTS + 1):
             self.port = port or free_port()
             self.bootstrap_port = (bootstrap_port or free_port()) if mode == "encode" else None
-            args = [*command, "--disaggregation-mode", mode, "--host", "127.0.0.1",
-                    "--port", str(self.port), *extra]
+            args = [*(("ip", "netns", "exec", netns) if netns else ()), *command, "--disaggregation-mode", mode,
+                    "--host", bind or host, *(("--advertise-host", host) if bind else ()), "--port", str(self.port),
+                    *extra]
             if self.bootstrap_port:
                 args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
             if mode == "encode" and trusted_media:
@@ -82,7 +87,8 @@ class WorkerProcess:
                 chosen = port is None and (bootstrap_port is None or mode != "encode")
                 if attempt == PORT_ATTEMPTS or not chosen or "address already in use" not in str(exc).lower():
                     raise
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.url = f"http://{host}:{self.port}"
 
     @property
     def log(self) -> list[str]:

@@ -310,8 +310,9 @@ def _start_receiver(ours: argparse.Namespace, manager):
     if ours.kv_budget is not None:
         kv = f"{ours.kv_budget.describe()} (this mode's CPU default; --max-total-tokens to change)"
     log.info("epd-resume: SGLang's server is the language worker; embeddings arrive through the resumable connector "
-             "(zmq=tcp://%s:%d mooncake=%s pool=%dx%d tokens, encoders=%s); KV pool: %s", config.host,
+             "(zmq=tcp://%s:%d mooncake=%s pool=%dx%d tokens%s, encoders=%s); KV pool: %s", config.public_host,
              worker.receivers.rank_port, worker.transport.session_id, config.num_blocks, config.block_size,
+             " pinned" if worker.pool is not None and worker.pool.pinned else "",
              ",".join(ours.encoder_urls or []), kv if manager.server_args.max_total_tokens else "SGLang's own sizing")
     return receiver
 

@@ -62,8 +62,8 @@ def build(args: argparse.Namespace) -> Built:
                                    max_audio_seconds=args.max_audio_seconds)
         worker = EncodeWorker(config, encoder, args.disaggregation_bootstrap_port, media, args.queue_while_sleeping,
                               args.checkpoint_dir)
-        extra = (f" bootstrap=http://{config.host}:{worker.bootstrap.port} "
-                 f"zmq=tcp://{config.host}:{worker.sender.rank_port} encoder={encoder.name}")
+        extra = (f" bootstrap=http://{config.public_host}:{worker.bootstrap.port} "
+                 f"zmq=tcp://{config.public_host}:{worker.sender.rank_port} encoder={encoder.name}")
         return Built(worker, build_app(worker, args.admin_api_key), config, extra)
 
     from language_side.transfer_only_api import build_app
@@ -79,7 +79,7 @@ def build(args: argparse.Namespace) -> Built:
         raise SystemExit(f"error: {exc}") from None
     worker = LanguageWorker(config, checkpoint_dir=args.checkpoint_dir, queue_while_sleeping=args.queue_while_sleeping)
     return Built(worker, build_app(worker, allowed, args.admin_api_key), config,
-                 f" zmq=tcp://{config.host}:{worker.receivers.rank_port} transfer-only")
+                 f" zmq=tcp://{config.public_host}:{worker.receivers.rank_port} transfer-only")
 
 
 def _encoder(args: argparse.Namespace, config: ConnectorConfig):
@@ -117,9 +117,10 @@ def run(args: argparse.Namespace) -> None:
 
     def banner(port: int) -> None:
         state = " (asleep: a checkpoint waits for /wake_up)" if worker.is_sleeping() else ""
-        print(f"READY {args.disaggregation_mode} worker http=http://{config.host}:{port}{built.describe} "
+        pinned = ", pinned" if worker.pool is not None and worker.pool.pinned else ""
+        print(f"READY {args.disaggregation_mode} worker http=http://{config.public_host}:{port}{built.describe} "
               f"mooncake={worker.transport.session_id} pool={config.num_blocks}x{config.block_size} tokens "
-              f"({config.pool_bytes / 2**20:.0f} MiB){state}", flush=True)
+              f"({config.pool_bytes / 2**20:.0f} MiB{pinned}){state}", flush=True)
 
     close = functools.partial(_close_for_exit, worker) if args.disaggregation_mode == "encode" else worker.close
     serve(built.app, config.host, args.port, banner, worker.stop, close)

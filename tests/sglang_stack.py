@@ -3,6 +3,8 @@ server, the connector between) share: the launcher, the prompt, the images and t
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +138,39 @@ def language_server(folder: str, encoders: list[str], *flags: str) -> WorkerProc
 
     return WorkerProcess("language", "--model-path", folder, *LANGUAGE_FLAGS, *flags, "--encoder-urls", *encoders,
                          command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
+
+
+@contextlib.contextmanager
+def smg_gateway(worker_urls: list[str], log_path: Path, host: str = "127.0.0.1", bind: str | None = None,
+                prefix: tuple[str, ...] = ()) -> Iterator[str]:
+    """smg in plain routing (round robin over ``worker_urls``), run with ``prefix`` (a simulated
+    host's ``ip netns exec``), bound to ``bind`` or ``host``; its URL once it is ready."""
+    import subprocess
+    import sys
+    import time
+
+    from workers import free_port
+
+    port = free_port()
+    with open(log_path, "w") as log:
+        router = subprocess.Popen([*prefix, str(Path(sys.executable).parent / "smg"), "launch", "--worker-urls",
+                                   *worker_urls, "--host", bind or host, "--port", str(port), "--policy", "round_robin",
+                                   "--prometheus-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://{host}:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert router.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            try:
+                if requests.get(f"{url}/readiness", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        router.terminate()
+        router.wait(30)
 
 
 def metric(worker: WorkerProcess, name: str) -> float:

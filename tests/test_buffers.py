@@ -111,3 +111,14 @@ def test_config_reads_the_reference_env_names_and_validates() -> None:
     with pytest.raises(ValueError, match="block_size must be positive"):
         ConnectorConfig(block_size=0)
     assert ConnectorConfig().pool_bytes == 512 * (128 * (3584 * 2 + 16) + 64)
+
+
+def test_pool_is_plain_memory_without_cuda_and_refuses_to_pin() -> None:
+    """Pinned where CUDA is present (checked on a GPU machine only); here, without CUDA, plain
+    memory by default and a clear error when pinning is asked for."""
+    import torch
+
+    assert not torch.cuda.is_available()
+    assert BufferPool(2, 128, 64).pinned is False
+    with pytest.raises(ValueError, match="a pinned pool needs CUDA"):
+        BufferPool(2, 128, 64, pinned=True)

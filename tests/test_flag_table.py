@@ -25,7 +25,7 @@ def other_value(s: Setting, step: int = 1) -> object:
         return [c for c in s.choices if c != s.default][step - 1]
     if s.name == "control_secret":
         return f"secret-{step}-" + "s" * 16
-    if s.name == "host":
+    if s.name in ("host", "advertise_host"):
         return f"127.0.0.{1 + step}"
     if s.name == "ib_device":
         return f"mlx5_{step}"
@@ -53,6 +53,7 @@ def help_of(text: str, flag: str) -> str:
 def test_the_table_keeps_every_name_and_default() -> None:
     assert {s.name: (s.env, s.flag, s.default) for s in SETTINGS} == {
         "host": (None, "--host", "127.0.0.1"),
+        "advertise_host": ("SGLANG_EMBEDDING_ADVERTISE_HOST", "--advertise-host", ""),
         "block_size": ("SGLANG_MULTIMODAL_BLOCK_SIZE", "--multimodal-block-size", 128),
         "num_blocks": ("SGLANG_EMBEDDING_CACHE_BUFFER_SIZE", "--embedding-cache-buffer-size", 512),
         "default_allocate_tokens": ("SGLANG_EMBEDDING_DEFAULT_ALLOCATE_BUFFER_SIZE",

@@ -37,12 +37,13 @@ from sglang_stack import (
     generate_videos,
     image_reference,
     prompt,
+    smg_gateway,
     write_clips,
     write_images,
 )
 from transfer_large_image import make_image
 from transformers import Qwen2_5_VLForConditionalGeneration
-from workers import SGLANG_READY, WorkerProcess, free_port, start_together
+from workers import SGLANG_READY, WorkerProcess, start_together
 
 from sglang_ext.language_flags import cpu_kv_tokens
 
@@ -558,22 +559,7 @@ def test_smg_in_front_of_two_language_workers_answers_as_they_do(workers, folder
     encode, language = workers
     direct = generate(language, [images["other"]], "smg-direct").json()["output_ids"]
     second = SECOND[-1]
-    port = free_port()
-    with open(tmp_path / "smg.log", "w") as log:
-        router = subprocess.Popen([str(Path(sys.executable).parent / "smg"), "launch", "--worker-urls", language.url,
-                                   second.url, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-                                   "--prometheus-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert router.poll() is None and time.monotonic() < deadline, (tmp_path / "smg.log").read_text()[-3000:]
-            try:
-                if requests.get(f"{url}/readiness", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.5)
+    with smg_gateway([language.url, second.url], tmp_path / "smg.log") as url:
         body = {"text": prompt(1), "image_data": images["other"],
                 "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
         for i in range(4):
@@ -590,9 +576,6 @@ def test_smg_in_front_of_two_language_workers_answers_as_they_do(workers, folder
         assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
         texts = [a.json()["choices"][0]["message"]["content"] for a in answers]
         assert texts[0] == texts[1] == texts[2]
-    finally:
-        router.terminate()
-        router.wait(30)
 
 
 def test_a_language_server_killed_asleep_restarts_from_disk_and_its_requests_go_on(workers, images, reference) -> None:

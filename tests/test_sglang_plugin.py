@@ -7,19 +7,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-from test_workers import Pair, assert_pools_free, images  # noqa: F401  (fixture)
-from transfer_large_image import run_request
-from workers import WorkerProcess
 
 pytestmark = pytest.mark.sglang
 
 SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
-SGLANG_SERVE = (str(Path(sys.executable).parent / "sglang"), "serve")
 
 # Loads the plugins as SGLang's launcher does, then parses each case's argv with SGLang's own
 # prepare_server_args; our worker is replaced by a print of the configuration it would get. One
@@ -237,22 +231,3 @@ def test_the_plugin_costs_nothing_in_other_sglang_processes() -> None:
     millis, new_modules = float(out[0]), out[1]
     assert millis < 50, f"register() took {millis} ms"
     assert not re.search(r"'(connector|embedding_side|language_side|torch|transformers|sglang_ext\.args)\b", new_modules)
-
-
-def test_4k_image_through_workers_started_by_sglang_serve(checkpoint, images) -> None:  # noqa: F811
-    """``sglang serve`` as the launcher (every other test starts its workers with ``python -m
-    sglang.launch_server``)."""
-    command = SGLANG_SERVE
-    encode = WorkerProcess("encode", "--model-path", checkpoint, command=command)
-    language = WorkerProcess("language", "--model-path", checkpoint, "--transfer-only", command=command)
-    try:
-        start = time.monotonic()
-        res = run_request(encode.url, language.url, encode.bootstrap_port, "sg-4k", 77, [images["4k"]], 120)
-        assert res["match"] and res["tokens"] == 10_549 and res["resume_rounds"] >= 1, res
-        assert time.monotonic() - start < 60
-        assert_pools_free(Pair.of(encode, language))
-        stopped = time.monotonic()  # Ctrl-C right after a 4K image (issue 34: it took 5-15 s)
-        assert encode.stop() == 0
-        assert time.monotonic() - stopped < 2.0, f"the encode worker took {time.monotonic() - stopped:.2f}s to exit"
-    finally:
-        assert language.stop() == 0 and encode.stop() == 0

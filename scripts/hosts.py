@@ -1,0 +1,180 @@
+"""Simulated hosts on one machine: each a Linux network namespace with its own address on a
+bridge, so that workers bind, advertise and reach real addresses other than 127.0.0.1.
+
+This process's own namespace is the client host: it holds the bridge's address and reaches
+every host. Links are shaped with ``tc`` (``tbf``: a line rate) and cut with ``iptables`` (both
+directions, one direction, or a random share of the packets), which leaves each host's other
+links alone. Needs root, ``iproute2`` and ``iptables`` (``scripts/setup.sh`` installs them).
+
+    with Network(["encoder", "language"]) as net:
+        encoder = net["encoder"]            # .address, .netns
+        net.cut(encoder, net["language"])   # a partition between the two
+        net.heal(encoder, net["language"])
+
+Everything is removed on exit (and, for a run killed before its exit, by the next run: names
+carry the creating process's pid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import re
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+
+PREFIX = "epdh"  # every namespace, bridge and veth this module makes starts with it
+
+
+def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    command = ["ip", *(("-n", netns) if netns else ()), *args]
+    return subprocess.run(command, check=check, capture_output=True, text=True, timeout=30)
+
+
+def _in(netns: str, *command: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", "netns", "exec", netns, *command], check=check, capture_output=True, text=True,
+                          timeout=30)
+
+
+def missing_tools() -> list[str]:
+    """What this machine lacks to simulate hosts (empty when it has everything)."""
+    missing = [tool for tool in ("ip", "tc", "iptables") if shutil.which(tool) is None]
+    if os.geteuid() != 0:
+        missing.append("root")
+    return missing
+
+
+@dataclass
+class Host:
+    name: str
+    netns: str
+    address: str
+    veth: str  # its end of the link, inside its namespace
+    port: str  # the bridge's end, in the client's namespace
+
+    def exec_prefix(self) -> tuple[str, ...]:
+        """What runs a command on this host."""
+        return ("ip", "netns", "exec", self.netns)
+
+
+class Network:
+    """Hosts named ``names`` on one bridge of a /24 of their own (see the module docstring)."""
+
+    def __init__(self, names: list[str]) -> None:
+        if missing := missing_tools():
+            raise RuntimeError(f"simulated hosts need {', '.join(missing)}")
+        reap_leftovers()
+        tag = f"{PREFIX}{os.getpid()}"
+        self.bridge = tag
+        subnet = _free_subnet()
+        self.client_address = str(subnet[1])
+        self.hosts: dict[str, Host] = {}
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.client_address}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for index, name in enumerate(names):
+                host = Host(name, f"{tag}-{name}", str(subnet[index + 2]), f"{tag}h{index}", f"{tag}p{index}")
+                _ip("netns", "add", host.netns)
+                self.hosts[name] = host
+                _ip("link", "set", "lo", "up", netns=host.netns)
+                _ip("link", "add", host.port, "type", "veth", "peer", "name", host.veth)
+                _ip("link", "set", host.veth, "netns", host.netns)
+                _ip("link", "set", host.port, "master", self.bridge, "up")
+                _ip("addr", "add", f"{host.address}/24", "dev", host.veth, netns=host.netns)
+                _ip("link", "set", host.veth, "up", netns=host.netns)
+        except BaseException:
+            self.close()
+            raise
+
+    def __getitem__(self, name: str) -> Host:
+        return self.hosts[name]
+
+    def __enter__(self) -> Network:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def cut(self, a: Host, b: Host, one_way: bool = False) -> None:
+        """Drop every packet from ``a`` to ``b`` and (unless ``one_way``) from ``b`` to ``a``;
+        their links to everyone else stay up."""
+        _in(a.netns, "iptables", "-I", "OUTPUT", "-d", b.address, "-j", "DROP")
+        if not one_way:
+            _in(a.netns, "iptables", "-I", "INPUT", "-s", b.address, "-j", "DROP")
+
+    def lose(self, a: Host, b: Host, share: float) -> None:
+        """Drop a random ``share`` of the packets each way between ``a`` and ``b``."""
+        for chain, side in (("OUTPUT", "-d"), ("INPUT", "-s")):
+            _in(a.netns, "iptables", "-I", chain, side, b.address, "-m", "statistic", "--mode", "random",
+                "--probability", f"{share:.4f}", "-j", "DROP")
+
+    def heal(self, a: Host, b: Host | None = None) -> None:
+        """Remove every rule :meth:`cut` and :meth:`lose` put on ``a`` (toward ``b``, or all)."""
+        for chain in ("OUTPUT", "INPUT"):
+            rules = _in(a.netns, "iptables", "-S", chain).stdout.splitlines()
+            for rule in rules:
+                if rule.startswith(f"-A {chain} ") and (b is None or f"{b.address}/32" in rule):
+                    _in(a.netns, "iptables", "-D", *rule.split()[1:])
+
+    def shape(self, host: Host, rate_mbit: float) -> None:
+        """Both directions of ``host``'s link at ``rate_mbit`` (a token bucket; this kernel has
+        no ``netem``, so no added delay)."""
+        for netns, dev in ((host.netns, host.veth), (None, host.port)):
+            _ip_tc(netns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
+                   "burst", f"{max(32, int(rate_mbit * 1e6 / 8 / 250 / 1024))}kb", "latency", "50ms")
+
+    def close(self) -> None:
+        """Kill what runs on the hosts, then remove them and the bridge."""
+        for host in self.hosts.values():
+            _remove_namespace(host.netns)
+        self.hosts.clear()
+        _ip("link", "del", self.bridge, check=False)
+
+
+def _ip_tc(netns: str | None, *args: str) -> None:
+    command = ["tc", *args] if netns is None else ["ip", "netns", "exec", netns, "tc", *args]
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=30)
+
+
+def _remove_namespace(netns: str) -> None:
+    pids = _ip("netns", "pids", netns, check=False).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    _ip("netns", "del", netns, check=False)
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A /24 under 10.0.0.0/8 that no interface here uses, picked from this process's pid."""
+    used = _ip("-o", "-4", "addr").stdout
+    for k in range(256):
+        value = (os.getpid() + 7919 * k) % (200 * 256)
+        subnet = ipaddress.IPv4Network(f"10.{50 + value // 256}.{value % 256}.0/24")
+        if f" 10.{50 + value // 256}.{value % 256}." not in used:
+            return subnet
+    raise RuntimeError("no free /24 under 10.50.0.0-10.249.255.0")
+
+
+def reap_leftovers() -> None:
+    """Remove the namespaces and bridges of runs whose process is gone (killed before cleanup)."""
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        if m := re.match(rf"({PREFIX}(\d+))-\S+", line):
+            if not _alive(int(m.group(2))):
+                _remove_namespace(line.split()[0])
+    for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
+        if (m := re.search(rf" ({PREFIX}(\d+)):", line)) and not _alive(int(m.group(2))):
+            _ip("link", "del", m.group(1), check=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
