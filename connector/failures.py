@@ -25,6 +25,7 @@ class FailureKind(enum.Enum):
     ABORTED = "aborted"  # the other side aborted the room
     PEER_DEAD = "peer_dead"  # heartbeats or pings unanswered
     PEER_UNREACHABLE = "peer_unreachable"  # route lookup or control message failed
+    UNAVAILABLE = "unavailable"  # no peer answers its liveness checks (all dead or cut off): retry later
     PEER_FAILED = "peer_failed"  # the other side failed the room for a reason of its own
     MISMATCH = "mismatch"  # pool geometry differs between the peers
     PROTOCOL = "protocol"  # a malformed or inconsistent message
@@ -52,12 +53,14 @@ _HTTP_STATUS = {
     FailureKind.OVERLOADED: 503,
     FailureKind.ASLEEP: 503,
     FailureKind.SHUTTING_DOWN: 503,
+    FailureKind.UNAVAILABLE: 503,
     FailureKind.CANCELLED: 499,
     FailureKind.TIMEOUT: 504,
     FailureKind.INTERNAL: 500,
 }
 
-_RETRY_AFTER = {FailureKind.OVERLOADED: "2", FailureKind.ASLEEP: "5", FailureKind.SHUTTING_DOWN: "5"}
+_RETRY_AFTER = {FailureKind.OVERLOADED: "2", FailureKind.ASLEEP: "5", FailureKind.SHUTTING_DOWN: "5",
+                FailureKind.UNAVAILABLE: "5"}
 
 # Kinds the other side passes on as they are: they describe the request, not the peer.
 _PASSED_ON = {FailureKind.BAD_REQUEST, FailureKind.TOO_LARGE, FailureKind.OVERLOADED, FailureKind.ASLEEP,

@@ -69,6 +69,11 @@ log = logging.getLogger(__name__)
 P = SenderPhase
 _ENDED_GRACE_S = 60.0  # how long a finished room is remembered for late aborts and inits
 _MAX_ENDED = 65_536  # ended rooms remembered at most (a flood of refusals cannot grow memory)
+# A write that fails is made once more before its room fails: the first write to a peer after a
+# partition heals can go over a connection that peer closed meanwhile, and fail where a new one
+# succeeds. The same bytes to the same blocks, still the room's: a late byte of the first changes
+# nothing.
+WRITE_ATTEMPTS = 2
 
 
 @dataclass
@@ -634,10 +639,15 @@ class EmbeddingSenderManager:
                 return f"language peer {d.endpoint}:{d.port}: {peer.mismatch}"
             plan = plan_round(list(write.src_blocks[start // bs:]), list(d.block_ids), tokens, bs,
                               self.pool.base_ptrs, peer.base_ptrs, self.pool.item_lens, with_aux=start == 0)
-            try:
-                self.transport.write(d.session_id, plan.src_addrs, plan.dst_addrs, plan.lengths)
-            except TransferError as exc:
-                return f"transfer to language peer {d.endpoint}:{d.port} failed: {exc}"
+            for attempt in range(1, WRITE_ATTEMPTS + 1):
+                try:
+                    self.transport.write(d.session_id, plan.src_addrs, plan.dst_addrs, plan.lengths)
+                    break
+                except TransferError as exc:
+                    if attempt == WRITE_ATTEMPTS or self._stop.is_set() or self.peers.get(d.peer) is None:
+                        return f"transfer to language peer {d.endpoint}:{d.port} failed: {exc}"
+                    log.warning("write to language peer %s:%d failed (%s); writing it once more", d.endpoint, d.port,
+                                exc)
             self.stats["bytes_sent"] += plan.nbytes
         return ""
 

@@ -11,7 +11,8 @@ again, with a new room, to an encoder it has not been tried on, up to ``max_atte
 side sees the failure (the ``/encode`` answer, or this worker's room failing: the encoder found
 dead, an init refused, the room aborted; the ``/encode`` is then dropped); that encoder gets
 no new part until its ``/health`` answers again (probed at most once a second, at once when no
-other is left). A part every encoder it was tried on refused as busy or asleep (429/503) is a
+other is left). A part every encoder it was tried on refused as busy or asleep (429/503), or
+with no encoder answering ``/health`` to try (all dead, or this host cut off from them), is a
 503 for the client (with ``Retry-After``), any other failure a 502. An encoder's other 4xx is
 about the images: the client's error, with that status, not retried. This worker's own
 refusals (asleep, over its queue) pass through as they are.
@@ -266,8 +267,12 @@ class EncoderDispatch:
         others = len(self.encoders) - len(tried)
         why = (f"; {others} other(s) out of rotation, not answering /health, or not taking {modality}s"
                if others and len(tried) < self.max_attempts else "")
-        # busy (or asleep) everywhere it was tried: the client's answer is 503 with Retry-After, to come back
-        kind = FailureKind.OVERLOADED if last is not None and only_busy else FailureKind.PEER_FAILED
+        # busy (or asleep) everywhere it was tried, or no encoder answering /health to try (all dead or
+        # cut off): the client's answer is 503 with Retry-After, to come back; an encoder failing it: 502
+        if last is None:
+            kind = FailureKind.UNAVAILABLE
+        else:
+            kind = FailureKind.OVERLOADED if only_busy else FailureKind.PEER_FAILED
         raise TransferFailure(kind, f"request {rid}: no encoder could encode part {index} (tried {len(tried)} of "
                                     f"{len(self.encoders)} encoders, one attempt each, at most {self.max_attempts}"
                                     f"{why}): {last or 'no encoder answers /health'}")

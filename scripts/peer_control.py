@@ -29,16 +29,21 @@ PEER_SCRIPT = Path(__file__).resolve().parent / "connector_peer.py"
 class EncodePeer:
     """A real encode-side connector process; ``call`` sends one JSON control request."""
 
-    def __init__(self, *args: str, startup_timeout: float = 60.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(PEER_SCRIPT), *args], stdout=subprocess.PIPE, text=True)
+    def __init__(self, *args: str, startup_timeout: float = 60.0, host: str = "127.0.0.1",
+                 prefix: tuple[str, ...] = ()) -> None:
+        """``host``: the address it binds and is reached at; ``prefix``: what runs it on another
+        (simulated) host, ``hosts.Host.exec_prefix()``."""
+        self.host = host
+        self.proc = subprocess.Popen([*prefix, sys.executable, str(PEER_SCRIPT), "--host", host, *args],
+                                     stdout=subprocess.PIPE, text=True)
         line = self._read_ready(startup_timeout)
         self.info = json.loads(line.split(" ", 1)[1])
-        self.bootstrap_addr = f"127.0.0.1:{self.info['bootstrap_port']}"
+        self.bootstrap_addr = f"{host}:{self.info['bootstrap_port']}"
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.REQ)
         self._sock.setsockopt(zmq.RCVTIMEO, int(startup_timeout * 1000))
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(f"tcp://127.0.0.1:{self.info['control_port']}")
+        self._sock.connect(f"tcp://{host}:{self.info['control_port']}")
         self._lock = threading.Lock()  # one REQ socket, many caller threads
 
     def _read_ready(self, timeout: float) -> str:

@@ -92,8 +92,10 @@ def test_an_encoder_over_its_queue_bound_refuses_at_once_and_the_language_side_l
         assert_overloaded(late, "2 encode requests are queued (limit 2)")
         assert seconds < 5
         # A room a language worker already asked for is never refused for being one too many.
+        rooms = health(pair.encode.url)["active_rooms"]
         asked = calls.submit(generate, pair, "q4", 4)
-        wait_for(lambda: health(pair.language.url)["transferring"] == 1, 15, "room 4's init")
+        # the init has reached the encoder (the language side counts it sent as soon as it is)
+        wait_for(lambda: health(pair.encode.url)["active_rooms"] > rooms, 15, "room 4's init at the encoder")
         assert encode(pair, "q4", 4, [image]).status_code == 200 and asked.result().status_code == 200
         for room, call in zip((1, 2), waiting, strict=True):
             assert generate(pair, f"q{room}", room).status_code == 200 and call.result().status_code == 200

@@ -129,3 +129,14 @@ def test_bench_stall_prints_the_gaps_in_and_out_of_the_receive_windows_and_the_r
     row = json.loads((tmp_path / "s.json").read_text())
     assert row["quiet_gaps"] > 10 and row["window_gaps"] >= 1 and len(row["windows_ms"]) == 1
     assert row["windows_ms"][0] > 0  # the receive window follows the encode, within transfer_ms
+
+
+@pytest.mark.hosts
+def test_bench_links_prints_each_links_share_of_its_line_rate(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_links.py"), "--rates", "1000", "--reps", "1",
+                          "--json", str(tmp_path / "l.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    share = re.fullmatch(r"link_1000mbit_connector_of_line_rate=(\d+\.\d+)", out.stdout.strip().splitlines()[-1])
+    assert share and 0 < float(share[1]) <= 1.05, out.stdout[-2000:]  # a shaped link is not beaten
+    row = json.loads((tmp_path / "l.json").read_text())["1000.0"]
+    assert set(row["ms"]) == {"single", "resume", "socket", "rtt"} and row["resume_over_single"] > 0

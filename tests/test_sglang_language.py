@@ -665,8 +665,9 @@ def test_the_encoders_sleep_and_wake_need_its_admin_key(workers) -> None:
 
 
 def test_an_encoders_death_is_a_clear_error_and_the_server_lives_on(workers, images, tmp_path) -> None:
-    """Last in the module: the encoder is stopped. Its request gets 502 at once; SGLang's server
-    keeps serving text. (The chat's image is one never sent before: an image sent as a data: URI
+    """Last in the module: the encoder is stopped. Its request gets 502 at once (the encoder failed
+    it); the next ones 503 with Retry-After (no encoder answers /health: come back later); SGLang's
+    server keeps serving text. (The chat's image is one never sent before: an image sent as a data: URI
     earlier would come from the embedding cache, no encoder needed.)"""
     encode, language = workers
     encode.stop()
@@ -680,9 +681,9 @@ def test_an_encoders_death_is_a_clear_error_and_the_server_lives_on(workers, ima
     data = base64.b64encode((tmp_path / "never-sent.png").read_bytes()).decode()
     content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}]
     for stream in (False, True):  # the same status as /generate's on the OpenAI route, streamed or not
-        with pytest.raises(APIStatusError, match="no encoder could encode") as refused:
+        with pytest.raises(APIStatusError, match="no encoder answers /health") as refused:
             client.chat.completions.create(model="m", max_tokens=2, stream=stream,
                                            messages=[{"role": "user", "content": content}])
-        assert refused.value.status_code == 502
+        assert refused.value.status_code == 503 and refused.value.response.headers["Retry-After"]
     text = generate(language, [], "text-only", text="Hello")
     assert text.status_code == 200 and len(text.json()["output_ids"]) == NEW_TOKENS
