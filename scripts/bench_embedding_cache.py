@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import openai  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402
 from transfer_large_image import make_image  # noqa: E402
-from workers import WorkerProcess, start_together  # noqa: E402
+from workers import WorkerProcess, free_port, start_together  # noqa: E402
 
 
 def chat_turns(url: str, image_uri: str, turns: int) -> list[dict]:
@@ -60,13 +60,17 @@ def main() -> None:
     buffer = io.BytesIO()
     make_image(width, height, seed=5).save(buffer, "PNG")
     image_uri = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-    encode = WorkerProcess("encode", "--model-path", folder, "--encoder", "qwen")
-    workers = {}
+    encode_port = free_port()
+    configs = {"cache": (), "no cache": ("--image-embedding-cache-bytes", "0")}
+    # the encoder and both language servers start side by side (a server asks its encoders for
+    # their /health at its first request, not at start-up)
+    encode, *languages = start_together(
+        lambda: WorkerProcess("encode", "--model-path", folder, "--encoder", "qwen", port=encode_port),
+        *(lambda extra=extra: WorkerProcess("language", "--model-path", folder, "--encoder-urls",
+                                            f"http://127.0.0.1:{encode_port}", "--skip-server-warmup", *extra,
+                                            timeout=300) for extra in configs.values()))
+    workers = dict(zip(configs, languages, strict=True))
     try:
-        configs = {"cache": (), "no cache": ("--image-embedding-cache-bytes", "0")}
-        workers = dict(zip(configs, start_together(*(
-            lambda extra=extra: WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url, *extra,
-                                              timeout=300) for extra in configs.values())), strict=True))
         results = {}
         for name, worker in workers.items():
             print(f"{args.turns}-turn chat, {name} ...", file=sys.stderr, flush=True)

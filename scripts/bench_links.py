@@ -78,12 +78,13 @@ def main() -> None:
         rooms = itertools.count(1)
 
         def run(mode: str) -> float:
+            if mode == "socket":  # the peer sends its pool's bytes
+                started = time.monotonic()
+                socket_fetch(sock, landing, nbytes)
+                return time.monotonic() - started
             room = next(rooms)
             digests = peer.call("stage", room=room, tokens=TOKENS, seed=room)["digests"]
             started = time.monotonic()
-            if mode == "socket":
-                socket_fetch(sock, landing, nbytes)
-                return time.monotonic() - started
             first = blocks if mode == "single" else None
             emb, receiver = receive_embedding(manager, peer.bootstrap_addr, room, first_blocks=first)
             took = time.monotonic() - started
