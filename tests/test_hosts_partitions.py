@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.hosts, pytest.mark.sglang]
 
 HEARTBEATS = ("--heartbeat-interval", "1", "--heartbeat-max-failure", "2")
 DETECTION_S = 1 * (2 + 2)  # D = interval x (misses + 2)
-PARTITION_S = 15
+PARTITION_S = 12
 MOONCAKE_STATUS_S = 5  # connector.mooncake_transport's MC_TCP_STATUS_TIMEOUT_SEC
 
 
