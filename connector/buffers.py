@@ -106,17 +106,19 @@ class BufferPool:
         if self.pinned and not cuda_present():
             raise ValueError("a pinned pool needs CUDA (torch with a visible GPU); none is present")
         if prefault:  # fault every page in now, not during the first transfers
-            self._fault_in()
+            if not _populate(self.embeddings):
+                self.embeddings.fill(0)
+            self._pin()
 
     def prefault_in_background(self) -> None:
         """Fault the embedding pages in (and pin them) on a thread, leaving their contents alone,
         so a wake-up does not wait for the kernel to hand over the whole pool (transfers may
-        already run: pinning moves no byte)."""
-        threading.Thread(target=self._fault_in, name="pool-prefault", daemon=True).start()
+        already run: neither the fault-in nor pinning writes a byte; where the kernel cannot
+        fault them in, the first writes do)."""
+        threading.Thread(target=lambda: (_populate(self.embeddings), self._pin()), name="pool-prefault",
+                         daemon=True).start()
 
-    def _fault_in(self) -> None:
-        if not _populate(self.embeddings):
-            self.embeddings.fill(0)
+    def _pin(self) -> None:
         if self.pinned:
             _pin(self.embeddings)
 

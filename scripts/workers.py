@@ -97,8 +97,14 @@ class WorkerProcess:
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
-            ready = [line for line in self.log if (line.startswith("READY ") if self.ready_marker == "READY "
-                                                   else self.ready_marker in line)]
+            log = self.log
+            if bind := next((line for line in log if "error while attempting to bind on address" in line), None):
+                # SGLang's server logs its ready line even when uvicorn could not bind its port
+                # (taken since free_port() picked it), and then shuts down
+                self.stop()
+                raise RuntimeError(f"{self.mode} worker could not bind its port: {bind.strip()}")
+            ready = [line for line in log if (line.startswith("READY ") if self.ready_marker == "READY "
+                                              else self.ready_marker in line)]
             if ready:
                 self.ready_line = ready[-1]
                 return
