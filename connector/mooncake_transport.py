@@ -18,8 +18,12 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from connector.transport import TransferError, Transport
+
+if TYPE_CHECKING:
+    from connector.config import ConnectorConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,11 @@ _SUBMIT_FAILED = (0, 2**64 - 1)
 
 
 class MooncakeTransport(Transport):
+    @classmethod
+    def for_worker(cls, config: ConnectorConfig) -> MooncakeTransport:
+        """The engine of a worker with ``config``, named by the address its peers reach it at."""
+        return cls(config.public_host, config.protocol, config.ib_device, config.completion)
+
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device: str = "",
                  completion: str = "poll") -> None:
         if completion not in COMPLETIONS:

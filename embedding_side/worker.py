@@ -81,7 +81,7 @@ class EncodeWorker:
         self.checkpoint_dir = checkpoint_dir
         self.pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
         self.allocator = BlockAllocator(config.num_blocks)
-        self.transport = MooncakeTransport(config.public_host, config.protocol, config.ib_device, config.completion)
+        self.transport = MooncakeTransport.for_worker(config)
         self.sender = EmbeddingSenderManager(config, self.transport, self.pool, self.allocator)
         self.gate = SleepGate("encode", queue_while_sleeping, config.max_sleep)
         self._on_disk = False  # asleep with every kept room written to the checkpoint folder

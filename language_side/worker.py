@@ -102,7 +102,7 @@ class LanguageWorker:
         self.config, self.consumer, self.checkpoint_dir = config, consumer or DigestConsumer(), checkpoint_dir
         self.pool: BufferPool | None = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
         self.allocator: BlockAllocator | None = BlockAllocator(config.num_blocks)
-        self.transport = MooncakeTransport(config.public_host, config.protocol, config.ib_device, config.completion)
+        self.transport = MooncakeTransport.for_worker(config)
         self._wake = threading.Event()
         restarting = bool(checkpoint_dir) and checkpoint_files.exists(checkpoint_dir, checkpoint.ROLE)
         self.receivers = EmbeddingReceiverManager(config, self.transport, self.pool, self.allocator,

@@ -177,7 +177,7 @@ def main() -> None:
                              hidden_size=args.hidden_size, resume_timeout=args.resume_timeout,
                              bootstrap_timeout=args.bootstrap_timeout, completion=args.completion,
                              control_secret=args.control_secret)
-    service = PeerService(config, MooncakeTransport(config.public_host, config.protocol, config.ib_device, config.completion),
+    service = PeerService(config, MooncakeTransport.for_worker(config),
                           args.bootstrap_port)
     socket_port = serve_socket_baseline(args.host, service.pool.embeddings, service.socket_send_started)
 

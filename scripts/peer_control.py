@@ -116,7 +116,7 @@ class InProcessPeer:
 def receiving_side(config: ConnectorConfig) -> EmbeddingReceiverManager:
     """A language-side receiver manager with its own pool and Mooncake engine, for benchmarks;
     end it with :func:`close_receiving_side`."""
-    transport = MooncakeTransport(config.public_host, config.protocol, config.ib_device, config.completion)
+    transport = MooncakeTransport.for_worker(config)
     pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
     return EmbeddingReceiverManager(config, transport, pool, BlockAllocator(config.num_blocks))
 
