@@ -111,11 +111,18 @@ class ConnectorConfig:
         2, flag="--heartbeat-max-failure", env="SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
         help="heartbeats (language side) or pings (encode side) missed in a row before a peer is dead")
     # Then the peer is declared dead for the room and its blocks freed. Longer than an encoder's
-    # longest write (MC_TRANSFER_TIMEOUT 10 s + its size at 0.5 GB/s), so no late byte lands.
+    # longest write into them (MC_TRANSFER_TIMEOUT 10 s + their size at --min-link-rate), so no
+    # late byte lands.
     abort_ack_timeout: float = setting(
         15.0, flag="--abort-ack-timeout", env="SGLANG_EMBEDDING_ABORT_ACK_TIMEOUT", metavar="SECONDS",
         help="language side: an aborted or suspended room keeps its blocks until its encoder acknowledges, or this "
-             "long; then that encoder counts as dead for the room and the blocks are freed")
+             "long plus their size at --min-link-rate; then that encoder counts as dead for the room and the blocks "
+             "are freed")
+    min_link_rate: float = setting(
+        50e6, flag="--min-link-rate", env="SGLANG_EMBEDDING_MIN_LINK_RATE", metavar="BYTES_PER_S",
+        help="the least rate one embedding write gets on the link (set it alike on both sides): the encode side "
+             "reports a write failed after MC_TRANSFER_TIMEOUT plus its size at this rate, the language side holds "
+             "an aborted room's blocks that much longer (a 100 Mbit/s link shared by two writes: 5e6)")
     transfer_workers: int = setting(
         2, env="SGLANG_EMBEDDING_TRANSFER_WORKERS", help="encode side: threads writing embeddings to peers")
     max_sleep: float = setting(
@@ -173,6 +180,11 @@ class ConnectorConfig:
         if self.public_host in WILDCARD_HOSTS:
             raise ValueError(f"--host {self.host or '(empty)'} binds every interface and is no address a peer can reach "
                              "this worker at: give --advertise-host (this host's address on the network its peers use)")
+
+    def longest_abort_hold(self, pool_bytes: int) -> float:
+        """Seconds an aborted room may keep its blocks, at most: the ack timeout plus the whole pool's
+        bytes at ``min_link_rate`` (each room holds a part of them)."""
+        return self.abort_ack_timeout + pool_bytes / self.min_link_rate
 
     @property
     def public_host(self) -> str:

@@ -55,10 +55,10 @@ class MooncakeTransport(Transport):
     @classmethod
     def for_worker(cls, config: ConnectorConfig) -> MooncakeTransport:
         """The engine of a worker with ``config``, named by the address its peers reach it at."""
-        return cls(config.public_host, config.protocol, config.ib_device, config.completion)
+        return cls(config.public_host, config.protocol, config.ib_device, config.completion, config.min_link_rate)
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device: str = "",
-                 completion: str = "poll") -> None:
+                 completion: str = "poll", min_link_rate: float = 50e6) -> None:
         if completion not in COMPLETIONS:
             raise ValueError(f"completion must be one of {COMPLETIONS}, got {completion!r}")
         for key, value in MOONCAKE_ENV_DEFAULTS.items():
@@ -77,9 +77,11 @@ class MooncakeTransport(Transport):
         self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
         self.completion = completion
         self._rate = _FIRST_RATE_BYTES_PER_S  # bytes/s the link gave recent large writes (moving average)
-        # Mooncake's own timeouts settle every TCP write well within this; past it, something
-        # below us hangs and the write is reported failed instead of waited on for ever.
+        # Mooncake's own timeouts settle every TCP write well within this plus its size at
+        # min_link_rate; past it, something below us hangs and the write is reported failed
+        # instead of waited on for ever.
         self._settle_timeout_s = float(os.environ["MC_TRANSFER_TIMEOUT"])
+        self._min_link_rate = min_link_rate
         self._writes = 0  # writes under way: they share the link, and close() waits for them
         self._writes_changed = threading.Condition()
         self._closed = False
@@ -131,7 +133,7 @@ class MooncakeTransport(Transport):
             # the poll covers the rest, so this never oversleeps a write that shares the link.
             time.sleep(_SLEEP_SHARE * expected)
         late_at = start + 2 * expected
-        give_up_at = start + self._settle_timeout_s + nbytes / _RATE_FLOOR
+        give_up_at = start + self._settle_timeout_s + nbytes / self._min_link_rate
         delay, polls = _POLL_S, 0
         # Every submitted write must settle before returning, even after a failure, so the
         # caller knows nothing of this call is still in flight.

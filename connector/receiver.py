@@ -336,7 +336,8 @@ class EmbeddingReceiver:
     def tick(self, now: float, asleep_since: float | None) -> None:
         """The manager's periodic check of the room's timeouts."""
         c = self._m.config
-        self.handle(Tick(now, asleep_since, c.abort_ack_timeout, c.fork_abort_hold, c.max_sleep, c.waiting_timeout))
+        self.handle(Tick(now, asleep_since, c.abort_ack_timeout, sum(self._m.pool.item_lens) / c.min_link_rate,
+                         c.fork_abort_hold, c.max_sleep, c.waiting_timeout))
 
     def rebind(self, route: RankRoute) -> None:
         """The encoder restarted at ``route``: ask it again for the round it owes this room."""
@@ -526,7 +527,8 @@ class EmbeddingReceiverManager:
                     r.abort(FailureKind.TIMEOUT, f"{r.peer_name} did not acknowledge the suspend within {timeout:g}s")
             # Blocks of aborted rooms come back with the ack or its timeout; the pool can only be
             # released after that.
-            self._wait(lambda: not any(r.phase == R.ABORTING for r in receivers), self.config.abort_ack_timeout + 1)
+            self._wait(lambda: not any(r.phase == R.ABORTING for r in receivers),
+                       self.config.longest_abort_hold(self.pool.nbytes) + 1)
 
     def _wait(self, predicate, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -739,6 +741,8 @@ class EmbeddingReceiverManager:
         peer.misses, peer.incarnation, peer.dead = 0, None, why
         if gone:  # a restarted process has another rank: look it up again
             self._drop_rank(self.encoders.forget_route(addr))
+        else:  # what is sent from now on (the aborts below, the next init) goes on a new connection
+            self._drop_rank(peer.route)
         for receiver in [r for r in self._rooms.values() if r.bootstrap_addr == addr]:
             receiver.handle(PeerDead(why, gone, self.clock()))
         self.stats["peer_dead"] += 1

@@ -181,7 +181,8 @@ class Tick:
 
     now: float
     asleep_since: float | None  # when the peer was seen asleep (None: awake)
-    abort_ack_timeout: float  # how long an aborted room waits for the ABORT_ACK
+    abort_ack_timeout: float  # how long an aborted room waits for the ABORT_ACK ...
+    seconds_per_block: float  # ... plus this per block it holds: an encoder's write on a slow link ends later
     fork_abort_hold: float  # ... or, with a fork encoder, for the status of the round it owes
     max_sleep: float
     waiting_timeout: float
@@ -619,7 +620,8 @@ class ReceiverRoom:
 
     def _on_tick(self, ev: Tick, out: list[Effect]) -> None:
         if self.phase == R.ABORTING:
-            hold = ev.abort_ack_timeout if self.extended else ev.fork_abort_hold
+            held_blocks = sum(len(rnd.block_ids) for rnd in self.rounds)
+            hold = ev.abort_ack_timeout + held_blocks * ev.seconds_per_block if self.extended else ev.fork_abort_hold
             if ev.now - self.aborted_at > hold:
                 out.append(Warn(f"room {self.room}: no {'ABORT_ACK' if self.extended else 'status'} from "
                                 f"{self.peer_name} within {hold:g}s; its blocks are freed"))

@@ -22,13 +22,14 @@ _QUEUE_LIMIT = 100_000  # control messages queued for one peer (a few hundred by
 # Peers with an open PUSH socket; beyond it the least recently used one is closed. Well below a
 # ZMQ context's 1023 sockets: a flood of messages naming made-up reply addresses cannot use them up.
 MAX_SOCKETS = 256
-# A link cut for longer than a few seconds (a partition, not a death) leaves TCP retransmitting
-# what was sent with a back-off that grows past a minute: once the link is back, everything
-# queued behind those bytes (the next request's init) would wait for the next retry. A
-# connection whose bytes go unacknowledged this long is dropped and ZMQ connects again (the
-# unacknowledged control messages are lost: their rooms end by liveness checks or timeouts),
-# and a connect unanswered this long is tried again, not left to the kernel's 2-minute SYN retries.
-UNACKED_MS = 5000
+# A connection is never dropped on a timer (ZMQ's TCP_MAXRT): what TCP had not delivered when
+# it dropped would be lost, and a lost init or status leaves its room waiting for the 300 s
+# timeouts (seen after a one-way cut healed: the connection was dropped just after the heal,
+# with the next request's init in it). Instead each side drops its socket to a peer it declares
+# dead (:meth:`PushSockets.drop`), so nothing it sends afterwards queues behind bytes TCP is
+# still retrying with a back-off of tens of seconds: it goes on a new connection, made once the
+# link is back. A connect unanswered this long is tried again, not left to the kernel's 2-minute
+# SYN retries.
 CONNECT_MS = 1000
 
 
@@ -54,7 +55,6 @@ class PushSockets:
                 sock.setsockopt(zmq.LINGER, 1000)
                 sock.setsockopt(zmq.SNDHWM, _QUEUE_LIMIT)
                 sock.setsockopt(zmq.SNDTIMEO, 0)
-                sock.setsockopt(zmq.TCP_MAXRT, UNACKED_MS)
                 sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_MS)
                 sock.connect(f"tcp://{_bracket(host)}:{port}")
                 self._sockets[(host, port)] = sock
@@ -72,6 +72,8 @@ class PushSockets:
             return False
 
     def drop(self, host: str, port: int) -> None:
+        """Close the socket to ``host:port``, discarding what it still holds; the next send
+        connects anew."""
         with self._lock:
             sock = self._sockets.pop((host, port), None)
             if sock is not None:

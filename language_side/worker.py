@@ -287,7 +287,7 @@ class LanguageWorker:
 
     def _wait_for_blocks(self) -> None:
         """Wait (bounded: the ack timeout frees them) for the blocks of aborted rooms."""
-        deadline = time.monotonic() + self.config.abort_ack_timeout + 2
+        deadline = time.monotonic() + self.config.longest_abort_hold(self.pool.nbytes if self.pool else 0) + 2
         while self.allocator is not None and not self.allocator.all_free() and time.monotonic() < deadline:
             time.sleep(0.01)
 

@@ -2,7 +2,8 @@
 bridge, so that workers bind, advertise and reach real addresses other than 127.0.0.1.
 
 This process's own namespace is the client host: it holds the bridge's address and reaches
-every host. Links are shaped with ``tc`` (``tbf``: a line rate) and cut with ``iptables`` (both
+every host. Links are shaped with ``tc`` (``tbf``: a line rate), delayed by
+``scripts/link_delay.py`` (this kernel has no ``netem``) and cut with ``iptables`` (both
 directions, one direction, or a random share of the packets), which leaves each host's other
 links alone. Needs root, ``iproute2`` and ``iptables`` (``scripts/setup.sh`` installs them).
 
@@ -24,9 +25,12 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 PREFIX = "epdh"  # every namespace, bridge and veth this module makes starts with it
+LINK_DELAY = Path(__file__).resolve().parent / "link_delay.py"
 
 
 def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -72,6 +76,7 @@ class Network:
         subnet = _free_subnet()
         self.client_address = str(subnet[1])
         self.hosts: dict[str, Host] = {}
+        self._delays: list[tuple[subprocess.Popen, str | None, list[str]]] = []  # helper, namespace, its rule
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.client_address}/24", "dev", self.bridge)
@@ -106,6 +111,32 @@ class Network:
         if not one_way:
             _in(a.netns, "iptables", "-I", "INPUT", "-s", b.address, "-j", "DROP")
 
+    def delay(self, a: Host, b: Host | None, ms: float) -> None:
+        """Every packet between ``a`` and ``b`` (None: the client host) ``ms`` late, each way: their
+        round trip ``2 * ms`` longer. Packets are held where they arrive (``INPUT``), past the
+        veth: held in the sender, they would count against its socket's TCP small-queues budget and
+        throttle it far below any line rate (``netem`` frees them from it; a queue cannot)."""
+        for netns, source in ((a.netns, self.client_address if b is None else b.address),
+                              (None if b is None else b.netns, a.address)):
+            queue = (os.getpid() * 16 + len(self._delays)) % 65536  # the client host's queues are shared by runs
+            rule = ["INPUT", "-s", source, "-m", "comment", "--comment", self.bridge, "-j", "NFQUEUE", "--queue-num",
+                    str(queue), "--queue-bypass"]
+            helper = subprocess.Popen([*(("ip", "netns", "exec", netns) if netns else ()), sys.executable,
+                                       str(LINK_DELAY), "--queue", str(queue), "--delay-ms", f"{ms:g}"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            self._delays.append((helper, netns, rule))
+            if not (helper.stdout.readline().startswith("delaying")):  # bound: packets wait for it from now on
+                raise RuntimeError(f"link_delay.py did not start: {helper.stdout.read()}")
+            _iptables(netns, "-I", *rule)
+
+    def undelay(self) -> None:
+        """Remove every delay."""
+        for helper, netns, rule in reversed(self._delays):
+            _iptables(netns, "-D", *rule, check=False)
+            helper.terminate()
+            helper.wait(timeout=10)
+        self._delays.clear()
+
     def lose(self, a: Host, b: Host, share: float) -> None:
         """Drop a random ``share`` of the packets each way between ``a`` and ``b``."""
         for chain, side in (("OUTPUT", "-d"), ("INPUT", "-s")):
@@ -117,7 +148,8 @@ class Network:
         for chain in ("OUTPUT", "INPUT"):
             rules = _in(a.netns, "iptables", "-S", chain).stdout.splitlines()
             for rule in rules:
-                if rule.startswith(f"-A {chain} ") and (b is None or f"{b.address}/32" in rule):
+                if (rule.startswith(f"-A {chain} ") and rule.endswith("-j DROP")
+                        and (b is None or f"{b.address}/32" in rule)):
                     _in(a.netns, "iptables", "-D", *rule.split()[1:])
 
     def shape(self, host: Host, rate_mbit: float) -> None:
@@ -129,6 +161,7 @@ class Network:
 
     def close(self) -> None:
         """Kill what runs on the hosts, then remove them and the bridge."""
+        self.undelay()
         for host in self.hosts.values():
             _remove_namespace(host.netns)
         self.hosts.clear()
@@ -138,6 +171,11 @@ class Network:
 def _ip_tc(netns: str | None, *args: str) -> None:
     command = ["tc", *args] if netns is None else ["ip", "netns", "exec", netns, "tc", *args]
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=30)
+
+
+def _iptables(netns: str | None, *args: str, check: bool = True) -> None:
+    command = ["iptables", *args] if netns is None else ["ip", "netns", "exec", netns, "iptables", *args]
+    subprocess.run(command, check=check, capture_output=True, text=True, timeout=30)
 
 
 def _remove_namespace(netns: str) -> None:
@@ -168,6 +206,10 @@ def reap_leftovers() -> None:
     for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
         if (m := re.search(rf" ({PREFIX}(\d+)):", line)) and not _alive(int(m.group(2))):
             _ip("link", "del", m.group(1), check=False)
+    rules = subprocess.run(["iptables", "-S", "INPUT"], capture_output=True, text=True, timeout=30).stdout
+    for rule in rules.splitlines():  # the client host's delay rules
+        if (m := re.search(rf"--comment {PREFIX}(\d+) ", rule)) and not _alive(int(m.group(1))):
+            _iptables(None, "-D", *rule.split()[1:], check=False)
 
 
 def _alive(pid: int) -> bool:

@@ -132,7 +132,7 @@ MODULE_SECONDS = {"test_benchmarks_smoke": 450, "test_sleep_workers": 290, "test
                   "test_openai_api": 200, "test_no_silent_hang": 160, "test_workers": 130, "test_backpressure": 120,
                   "test_faults_under_load": 110, "test_sglang_plugin": 80, "test_sglang_two_request": 80,
                   "test_sglang_encoder": 90, "test_sglang_minimax": 60, "test_sglang_audio": 70,
-                  "test_hosts_partitions": 80, "test_hosts": 60}
+                  "test_hosts": 240}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

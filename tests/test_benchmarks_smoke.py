@@ -135,10 +135,12 @@ def test_bench_stall_prints_the_gaps_in_and_out_of_the_receive_windows_and_the_r
 
 @pytest.mark.hosts
 def test_bench_links_prints_each_links_share_of_its_line_rate(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_links.py"), "--rates", "1000", "--reps", "1",
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_links.py"), "--links", "1000:1", "--reps", "1",
                           "--json", str(tmp_path / "l.json")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     share = re.fullmatch(r"link_1000mbit_connector_of_line_rate=(\d+\.\d+)", out.stdout.strip().splitlines()[-1])
     assert share and 0 < float(share[1]) <= 1.05, out.stdout[-2000:]  # a shaped link is not beaten
-    row = json.loads((tmp_path / "l.json").read_text())["1000.0"]
+    assert re.search(r"^link_1000mbit_resume_within_target=(True|False)$", out.stdout, re.M), out.stdout[-2000:]
+    row = json.loads((tmp_path / "l.json").read_text())["1000mbit"]
     assert set(row["ms"]) == {"single", "resume", "socket", "rtt"} and row["resume_over_single"] > 0
+    assert row["delay_ms"] == 1 and row["ms"]["rtt"] >= 2.0  # 1 ms each way: the round trip pays both

@@ -1,16 +1,20 @@
 """Workers on separate hosts: each in its own network namespace with its own address on a bridge
-(``scripts/hosts.py``), this test process the client host. SGLang's encoder on the encoder host,
-SGLang's server on the language host, both bound to every interface (``--host 0.0.0.0``) and
-advertising their own address (``--advertise-host``), with a control secret and an admin key;
-smg in plain routing on a gateway host; a stranger host on the same bridge. Both workers are
-started by ``sglang serve``. Greedy ids are checked against transformers' monolithic
-``generate``; every address a worker gave a peer is checked to be its own host's; every port a
-worker's host listens on is one the README's deployment table lists.
+(``scripts/hosts.py``), this test process the client host. SGLang's encoder on two encoder hosts,
+SGLang's server on two language hosts (each sending to both encoders), all bound to every
+interface (``--host 0.0.0.0``) and advertising their own address (``--advertise-host``), with a
+control secret and an admin key; smg in plain routing over both language hosts on a gateway
+host; a stranger host on the same bridge. Every worker is started by ``sglang serve``, with 1 s
+heartbeats. Greedy ids are checked against transformers' monolithic ``generate``; every address
+a worker gave a peer is checked to be its own host's; every port a worker's host listens on is
+one the README's deployment table lists. Then partitions, not process deaths: links between an
+encoder host and a language host cut both ways and one way, a language host cut off from both
+encoders, lost packets.
 """
 
 from __future__ import annotations
 
 import base64
+import os
 import re
 import secrets
 import signal
@@ -30,12 +34,14 @@ from sglang_stack import (
     LANGUAGE_FLAGS,
     NEW_TOKENS,
     connector_address,
+    connector_health,
     connector_idle,
     image_reference,
     prompt,
     smg_gateway,
     write_images,
 )
+from transfer_large_image import make_image
 from transformers import Qwen2_5_VLForConditionalGeneration
 from workers import ROOT, SGLANG_READY, WorkerProcess, free_port, start_together
 
@@ -47,11 +53,17 @@ ADMIN_KEY = "hosts-test-admin-key"
 GUARDED = {"SGLANG_EMBEDDING_CONTROL_SECRET": SECRET}
 # These workers are started by ``sglang serve`` (every other test uses ``python -m sglang.launch_server``)
 SGLANG_SERVE = (str(Path(sys.executable).parent / "sglang"), "serve")
+# Short heartbeats (1 s, 2 misses: a peer is found silent within 4 s, docs/failure_bounds.md)
+# keep the partition tests short.
+HEARTBEATS = ("--heartbeat-interval", "1", "--heartbeat-max-failure", "2")
+DETECTION_S = 1 * (2 + 2)  # D = interval x (misses + 2)
+PARTITION_S = 12
+MOONCAKE_STATUS_S = 5  # connector.mooncake_transport's MC_TCP_STATUS_TIMEOUT_SEC
 
 
 @pytest.fixture(scope="module")
 def net():
-    with Network(["encoder", "language", "gateway", "stranger"]) as network:
+    with Network(["encoder", "encoder2", "language", "language2", "gateway", "stranger"]) as network:
         yield network
 
 
@@ -71,32 +83,45 @@ def reference(folder):
 
 
 @pytest.fixture(scope="module")
-def workers(net, folder):
-    """SGLang's encoder on the encoder host and SGLang's server on the language host, each bound
-    to every interface and advertising its host's address; the language server sends to the
-    encoder by URL and takes two-request ``/generate``s naming it."""
-    encoder, language = net["encoder"], net["language"]
-    encode_port = free_port()
-    started = start_together(
-        lambda: WorkerProcess("encode", "--model-path", folder, "--admin-api-key", ADMIN_KEY, port=encode_port,
-                              host=encoder.address, bind=ANY, netns=encoder.netns, command=SGLANG_SERVE, env=GUARDED,
-                              timeout=300),
-        lambda: WorkerProcess("language", "--model-path", folder, *LANGUAGE_FLAGS, "--admin-api-key", ADMIN_KEY,
-                              "--encoder-urls",
-                              f"http://{encoder.address}:{encode_port}", "--allowed-bootstrap-hosts", encoder.address,
-                              host=language.address, bind=ANY, netns=language.netns, trusted_media=False,
-                              command=SGLANG_SERVE, env=GUARDED, ready=SGLANG_READY, timeout=300))
-    yield started
+def cluster(net, folder) -> dict[str, WorkerProcess]:
+    """SGLang's encoder on each encoder host and SGLang's server on each language host, each bound
+    to every interface and advertising its host's address; each language server sends to both
+    encoders by URL and takes two-request ``/generate``s naming either. Keyed by host name."""
+    encoders, languages = [net["encoder"], net["encoder2"]], [net["language"], net["language2"]]
+    ports = {host.name: free_port() for host in encoders}
+    urls = [f"http://{host.address}:{ports[host.name]}" for host in encoders]
+
+    def encoder(host):
+        return lambda: WorkerProcess("encode", "--model-path", folder, "--admin-api-key", ADMIN_KEY, *HEARTBEATS,
+                                     port=ports[host.name], host=host.address, bind=ANY, netns=host.netns,
+                                     command=SGLANG_SERVE, env=GUARDED, timeout=300)
+
+    def language(host):
+        return lambda: WorkerProcess("language", "--model-path", folder, *LANGUAGE_FLAGS, "--admin-api-key", ADMIN_KEY,
+                                     *HEARTBEATS, "--image-embedding-cache-bytes", "0", "--encoder-urls", *urls,
+                                     "--allowed-bootstrap-hosts", *(e.address for e in encoders), host=host.address, bind=ANY, netns=host.netns,
+                                     trusted_media=False, command=SGLANG_SERVE, env=GUARDED, ready=SGLANG_READY,
+                                     timeout=300)
+
+    hosts = [*encoders, *languages]
+    started = start_together(*(encoder(h) for h in encoders), *(language(h) for h in languages))
+    yield {host.name: worker for host, worker in zip(hosts, started, strict=True)}
     for worker in reversed(started):
         worker.stop()
 
 
 @pytest.fixture(scope="module")
-def gateway(net, workers, tmp_path_factory):
-    """smg in plain routing on the gateway host, in front of the language server; its URL."""
+def workers(cluster) -> tuple[WorkerProcess, WorkerProcess]:
+    """The first encoder and the first language server."""
+    return cluster["encoder"], cluster["language"]
+
+
+@pytest.fixture(scope="module")
+def gateway(net, cluster, tmp_path_factory):
+    """smg in plain routing on the gateway host, in front of both language servers; its URL."""
     host = net["gateway"]
-    with smg_gateway([workers[1].url], tmp_path_factory.mktemp("smg") / "smg.log", host.address, ANY,
-                     host.exec_prefix()) as url:
+    with smg_gateway([cluster["language"].url, cluster["language2"].url], tmp_path_factory.mktemp("smg") / "smg.log",
+                     host.address, ANY, host.exec_prefix()) as url:
         yield url
 
 
@@ -118,12 +143,12 @@ def test_every_address_a_worker_gives_a_peer_is_its_own_hosts(net, workers) -> N
 
 
 @pytest.mark.parametrize("size", ["448x448", "3840x2160"])
-def test_generate_through_the_gateway_across_hosts_equals_monolithic(workers, gateway, images, reference,
+def test_generate_through_the_gateway_across_hosts_equals_monolithic(net, cluster, gateway, images, reference,
                                                                       size) -> None:
-    """``/generate`` with a data: URI through smg on the gateway host: the language host has the
+    """``/generate`` with a data: URI through smg on the gateway host: a language host has an
     encoder host encode it and receives the embedding (the 4K image's 10,549 tokens in a resume
-    round after the 8,192 first allocated); the ids are transformers' monolithic ones."""
-    encode, language = workers
+    round after the 8,192 first allocated); the ids are transformers' monolithic ones. Every
+    register an encoder got names a language host's own address."""
     body = {"rid": f"hosts-{size}", "text": prompt(1), "image_data": [data_uri(images[size])],
             "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
     answer = requests.post(f"{gateway}/generate", json=body, timeout=300)
@@ -131,9 +156,12 @@ def test_generate_through_the_gateway_across_hosts_equals_monolithic(workers, ga
     assert greedy_mismatch(answer.json()["output_ids"], reference([images[size]])) is None
     meta = answer.json()["meta_info"]
     assert meta["resume_rounds"] == (1 if size == "3840x2160" else 0), meta
-    registered = [line for line in encode.log if "language peer registered" in line]
-    assert registered and all(re.search(rf"zmq=tcp://{re.escape(workers[1].host)}:\d+ mooncake="
-                                        rf"{re.escape(workers[1].host)}:\d+", line) for line in registered), registered
+    registered = [line for name in ("encoder", "encoder2") for line in cluster[name].log
+                  if "language peer registered" in line]
+    own = re.compile(r"zmq=tcp://([\d.]+):\d+ mooncake=([\d.]+):\d+")  # each language host names itself
+    languages = {net["language"].address, net["language2"].address}
+    assert registered and all((m := own.search(line)) and m[1] == m[2] and m[1] in languages
+                              for line in registered), registered
 
 
 def test_openai_chat_through_the_gateway_answers_as_the_language_host_does(workers, gateway, images, folder) -> None:
@@ -145,6 +173,32 @@ def test_openai_chat_through_the_gateway_answers_as_the_language_host_does(worke
         model=folder, messages=messages, max_tokens=NEW_TOKENS, temperature=0) for url in (workers[1].url, gateway)]
     assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
     assert answers[1].usage.completion_tokens == NEW_TOKENS
+
+
+def served(worker: WorkerProcess) -> float:
+    """Requests the worker's connector finished well (its ``epd_requests_total``)."""
+    text = requests.get(f"{worker.url}/metrics", timeout=10).text
+    return sum(float(m[1]) for m in re.finditer(r'^epd_requests_total\{[^}]*outcome="success"[^}]*\} (\S+)$', text, re.M))
+
+
+def test_sglangs_benchmark_client_through_the_gateway_uses_both_language_and_both_encoder_hosts(
+        net, cluster, gateway, folder, tmp_path) -> None:
+    """SGLang's own benchmark client on the client host, against smg on the gateway host: 8 image
+    prompts all served, spread by smg over both language hosts, whose connectors spread the
+    images over both encoder hosts."""
+    before = {name: served(worker) for name, worker in cluster.items()}
+    host, port = gateway.removeprefix("http://").rsplit(":", 1)
+    run = subprocess.run(
+        [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--host", host, "--port", port,
+         "--model", folder, "--tokenizer", folder, "--dataset-name", "image", "--num-prompts", "8", "--image-count",
+         "1", "--image-resolution", "448x448", "--random-input-len", "32", "--random-output-len", "8",
+         "--random-range-ratio", "1"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and re.search(r"^Successful requests:\s+8\s*$", out, re.M), out[-3000:]
+    assert re.search(r"^Total generated tokens:\s+64\s*$", out, re.M), out[-3000:]
+    more = {name: served(worker) - before[name] for name, worker in cluster.items()}
+    assert all(more[name] > 0 for name in cluster), more
 
 
 def test_two_requests_across_hosts_equal_monolithic(net, workers, images, reference) -> None:
@@ -228,6 +282,197 @@ def test_a_stranger_on_the_bridge_can_do_nothing_without_the_secret_or_the_key(n
         unlisted = {p for p in listening(host) - known if not 15000 <= p <= 17000}
         assert not unlisted, f"{worker.mode} host listens on ports the README does not list: {sorted(unlisted)}"
     assert mooncake_port in listening(net["encoder"])
+
+
+# ---- partitions: links cut (both ways, one way), lost packets; not process deaths ------------------------
+# Encoders on hosts encoder and encoder2 (a and b below), the language server on host language;
+# links are cut with iptables on one host, so every other link stays up.
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """``fresh(width, height)``: the path of an image never sent before (no cache answers it)."""
+    root, made = tmp_path_factory.mktemp("partition-fresh"), []
+
+    def make(width: int = 448, height: int = 448) -> str:
+        made.append(str(root / f"{len(made)}.png"))
+        make_image(width, height, seed=2000 + len(made)).save(made[-1])
+        return made[-1]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def before(cluster, fresh) -> float:
+    """The seconds a 1920x1080 two-request to encoder a takes with every link up (the best of 3,
+    after a warm-up)."""
+    a, language = cluster["encoder"], cluster["language"]
+    two_request(a, language, fresh(), "before-warm")
+    return min(two_request(a, language, fresh(1920, 1080), f"before-{i}") for i in range(3))
+
+
+def two_request(encode: WorkerProcess, language: WorkerProcess, path: str, rid: str) -> float:
+    """A router's ``/generate`` naming ``encode`` and a fresh room, then ``/encode`` there: the
+    seconds both took (both answer 200, or what they said is in the assertion)."""
+    room = secrets.randbits(62)
+    body = {"rid": rid, "text": prompt(1), "bootstrap_host": encode.host, "bootstrap_port": encode.bootstrap_port,
+            "bootstrap_room": room, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    started = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        generating = pool.submit(requests.post, f"{language.url}/generate", json=body, timeout=300)
+        encoded = requests.post(f"{encode.url}/encode", json={"rid": rid, "bootstrap_room": room, "images": [path]},
+                                timeout=300)
+        generated = generating.result()
+    took = time.monotonic() - started
+    assert generated.status_code == encoded.status_code == 200, (rid, generated.text, encoded.text)
+    return took
+
+
+def chat(language: WorkerProcess, path: str, rid: str, ignore_eos: bool = True) -> requests.Response:
+    return requests.post(f"{language.url}/generate", timeout=300, json={
+        "rid": rid, "text": prompt(1), "image_data": [path],
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": ignore_eos}})
+
+
+def test_a_link_cut_mid_transfer_under_16_clients_then_healed(net, cluster, fresh, before) -> None:
+    """The link between encoder host a and the language host goes down while 16 clients'
+    images are being encoded and sent: every client is answered, by encoder b, within the
+    documented bound; once the link is back every block on both sides is free, a serves again,
+    and its first request takes at most twice what one took before the cut (no message queued
+    for the cut-off peer holds it up)."""
+    a, b, language = cluster["encoder"], cluster["encoder2"], cluster["language"]
+    clients = [fresh(*((1920, 1080) if i % 2 else (448, 448))) for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        started = time.monotonic()
+        answers = [pool.submit(chat, language, image, f"cut-{i}") for i, image in enumerate(clients)]
+        while not requests.get(f"{a.url}/health", timeout=10).json()["active_rooms"]:  # a transfer under way at a
+            assert time.monotonic() - started < 60, "encoder a never had a room"
+            time.sleep(0.05)
+        net.cut(net["encoder"], net["language"])
+        cut_at = time.monotonic()
+        cut_with = requests.get(f"{a.url}/health", timeout=10).json()["active_rooms"]
+        statuses = [future.result().status_code for future in answers]
+        elapsed = time.monotonic() - started
+    assert statuses == [200] * 16, statuses
+    assert elapsed < 240 + 3 * DETECTION_S, elapsed
+    assert cut_with, "the cut came after encoder a's rooms ended"
+    # Down long enough for TCP's retransmission back-off to grow past what a request takes: a
+    # connection left with unacknowledged bytes would retry only tens of seconds after the heal.
+    time.sleep(max(0.0, cut_at + PARTITION_S - time.monotonic()))
+    net.heal(net["encoder"])
+    wait_in_rotation(language)
+    after = two_request(a, language, fresh(1920, 1080), "after-heal")
+    # Issue 37's target is 2x. What may come on top of it: Mooncake's first write to the healed
+    # peer going over a pooled connection that peer closed during the partition, which waits for
+    # its status (MC_TCP_STATUS_TIMEOUT_SEC, 5 s here) before it goes through
+    # (docs/failure_bounds.md). Before the PUSH sockets to a dead peer were dropped, it took 22 s
+    # after a 30 s partition.
+    assert after <= 2 * before + MOONCAKE_STATUS_S + 1, f"first request to a after the heal: {after:.1f} s, before the cut: {before:.1f} s"
+    all_blocks_back(a, b, language)
+
+
+def all_blocks_back(*workers: WorkerProcess, timeout: float = 30.0) -> None:
+    """Every block of each encoder's pool and of the language server's free (within ``timeout``)."""
+    for worker in workers:
+        deadline = time.monotonic() + timeout
+        while True:
+            health = (connector_idle(worker, timeout) if worker.mode == "language"
+                      else requests.get(f"{worker.url}/health", timeout=10).json())
+            if health["free_blocks"] == health["num_blocks"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert health["free_blocks"] == health["num_blocks"], (worker.mode, health)
+
+
+def wait_in_rotation(language: WorkerProcess, timeout: float = 30.0) -> None:
+    """Until the language server reports no failing encoder (every one answered again)."""
+    deadline = time.monotonic() + timeout
+    while connector_health(language)["failing_encoders"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not connector_health(language)["failing_encoders"], connector_health(language)
+
+
+@pytest.mark.parametrize("direction", ["a to language", "language to a"])
+def test_a_one_way_cut_is_caught_by_the_heartbeats(net, cluster, fresh, before, direction: str) -> None:
+    """Packets dropped in one direction only, mid transfer under 4 clients: the language side's
+    heartbeats to a go unanswered (their answers lost, or never arriving), so a is declared dead
+    within the detection bound and every client is answered by b; once the link is back a serves
+    again, its first request within twice its time before, and every block is free."""
+    a, b, language = cluster["encoder"], cluster["encoder2"], cluster["language"]
+    sender, receiver = (net["language"], net["encoder"]) if direction == "language to a" else (net["encoder"], net["language"])
+    tag = direction.split()[0]
+    with ThreadPoolExecutor(4) as pool:
+        started = time.monotonic()
+        answers = [pool.submit(chat, language, fresh(1920, 1080), f"one-way-{tag}-{i}") for i in range(4)]
+        while not requests.get(f"{a.url}/health", timeout=10).json()["active_rooms"]:
+            assert time.monotonic() - started < 60, "encoder a never had a room"
+            time.sleep(0.05)
+        declared = re.compile(rf"encode peer \S*{re.escape(a.host)}:{a.bootstrap_port} declared dead")
+        deaths = sum(map(bool, map(declared.search, language.log)))
+        net.cut(sender, receiver, one_way=True)
+        cut_at = time.monotonic()
+        while sum(map(bool, map(declared.search, language.log))) == deaths:
+            assert time.monotonic() - cut_at < DETECTION_S + 2, "the one-way cut was not found"
+            time.sleep(0.2)
+        statuses = [future.result().status_code for future in answers]
+        elapsed = time.monotonic() - started
+    assert statuses == [200] * 4, statuses
+    assert elapsed < 240 + 3 * DETECTION_S, elapsed
+    net.heal(sender)
+    wait_in_rotation(language)
+    after = two_request(a, language, fresh(1920, 1080), f"one-way-{tag}-after")
+    assert after <= 2 * before + MOONCAKE_STATUS_S + 1, f"after the heal: {after:.1f} s, before the cut: {before:.1f} s"
+    all_blocks_back(a, b, language)
+
+
+def test_a_language_host_cut_off_from_every_encoder_answers_503_then_recovers(net, cluster, fresh) -> None:
+    """With both encoder hosts unreachable, an image request is a 503 with Retry-After (no encoder
+    answers /health) within the probe's bound, text is still served, and once the links are back
+    images are served again."""
+    a, b, language = cluster["encoder"], cluster["encoder2"], cluster["language"]
+    for host in (net["encoder"], net["encoder2"]):
+        net.cut(net["language"], host)
+    try:
+        first = chat(language, fresh(), "cut-off-0")  # may be tried on an encoder not yet found silent
+        assert first.status_code in (502, 503), first.text
+        started = time.monotonic()
+        refused = chat(language, fresh(), "cut-off-1")
+        assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
+        assert "no encoder answers /health" in refused.json()["error"]["message"], refused.text
+        assert time.monotonic() - started < 2 * 2 + 1  # each encoder probed once, 2 s each at most
+        text = requests.post(f"{language.url}/generate", timeout=120, json={
+            "text": "Hello", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+        assert text.status_code == 200 and len(text.json()["output_ids"]) == 4
+    finally:
+        net.heal(net["language"])
+    deadline = time.monotonic() + 30
+    while (answer := chat(language, fresh(), "cut-off-after")).status_code != 200:
+        assert time.monotonic() < deadline, answer.text
+        time.sleep(1)
+    all_blocks_back(a, b, language)
+
+
+def test_20_percent_packet_loss_is_slower_never_wrong_never_hung(net, cluster, fresh, reference) -> None:
+    """A fifth of the packets lost each way between the language host and both encoder hosts:
+    6 clients, every answer 200 with transformers' monolithic ids, each within the bound."""
+    a, b, language = cluster["encoder"], cluster["encoder2"], cluster["language"]
+    paths = [fresh(448 + 28 * i, 448) for i in range(6)]
+    expected = [reference([path]) for path in paths]
+    for host in (net["encoder"], net["encoder2"]):
+        net.lose(net["language"], host, 0.2)
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            started = time.monotonic()
+            # Ending at the end-of-sequence token as the reference's generate does.
+            answers = list(pool.map(lambda i: chat(language, paths[i], f"lossy-{i}", ignore_eos=False), range(6)))
+            elapsed = time.monotonic() - started
+    finally:
+        net.heal(net["language"])
+    assert [answer.status_code for answer in answers] == [200] * 6, [answer.text[:3000] for answer in answers]
+    for answer, ids in zip(answers, expected, strict=True):
+        assert greedy_mismatch(answer.json()["output_ids"], ids) is None
+    assert elapsed < 240, elapsed
+    all_blocks_back(a, b, language)
 
 
 def stop_alone(worker: WorkerProcess, host) -> float:

@@ -79,8 +79,8 @@ def status(st_: KVPoll, sent: int | None = None, total: int | None = None, reaso
     return StatusIn(st_, sent, total, reason, None if aux_total is None else aux(aux_total), now, 100.0 + now)
 
 
-def tick(now: float, asleep_since: float | None = None) -> Tick:
-    return Tick(now, asleep_since, HOLD, FORK_HOLD, MAX_SLEEP, WAITING)
+def tick(now: float, asleep_since: float | None = None, seconds_per_block: float = 0.0) -> Tick:
+    return Tick(now, asleep_since, HOLD, seconds_per_block, FORK_HOLD, MAX_SLEEP, WAITING)
 
 
 def freed(effects: list) -> list[int]:
@@ -192,6 +192,15 @@ def test_an_unacked_abort_frees_the_blocks_after_the_hold() -> None:
     room.on(Abort(FailureKind.CANCELLED, "client left", now=5.0))
     effects = room.on(tick(5.0 + HOLD + 0.1))
     assert kinds(effects)[0] is Warn and freed(effects) == [0, 1] and room.phase == P.CLOSED
+
+
+def test_the_hold_grows_with_the_blocks_a_slow_link_may_still_be_writing() -> None:
+    room = new_room()
+    room.on(Init((0, 1, 2)))
+    room.on(Abort(FailureKind.CANCELLED, "client left", now=5.0))
+    assert room.on(tick(5.0 + HOLD + 2.9, seconds_per_block=1.0)) == []  # 3 blocks at 1 s each
+    effects = room.on(tick(5.0 + HOLD + 3.1, seconds_per_block=1.0))
+    assert kinds(effects)[0] is Warn and freed(effects) == [0, 1, 2] and room.phase == P.CLOSED
 
 
 def test_a_fork_room_is_never_sent_an_abort_and_waits_for_the_owed_round() -> None:
