@@ -741,8 +741,6 @@ class EmbeddingReceiverManager:
         peer.misses, peer.incarnation, peer.dead = 0, None, why
         if gone:  # a restarted process has another rank: look it up again
             self._drop_rank(self.encoders.forget_route(addr))
-        else:  # what is sent from now on (the aborts below, the next init) goes on a new connection
-            self._drop_rank(peer.route)
         for receiver in [r for r in self._rooms.values() if r.bootstrap_addr == addr]:
             receiver.handle(PeerDead(why, gone, self.clock()))
         self.stats["peer_dead"] += 1

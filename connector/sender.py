@@ -682,7 +682,6 @@ class EmbeddingSenderManager:
             name = f"{host}:{port}"
             log.error("language peer %s (session %s) declared dead: %s", name, session, why)
             self.stats["peer_dead"] += 1
-            self._push.drop(host, port)  # what is sent from now on goes on a new connection (zmq_link)
             for r in list(self._rooms.values()):
                 if any(d.peer == (session, host, port) for d in r.dsts):
                     self._dispatch(r, ev.Fail(FailureKind.PEER_DEAD, f"language peer {name} is dead: {why}"))

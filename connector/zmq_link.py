@@ -22,14 +22,15 @@ _QUEUE_LIMIT = 100_000  # control messages queued for one peer (a few hundred by
 # Peers with an open PUSH socket; beyond it the least recently used one is closed. Well below a
 # ZMQ context's 1023 sockets: a flood of messages naming made-up reply addresses cannot use them up.
 MAX_SOCKETS = 256
-# A connection is never dropped on a timer (ZMQ's TCP_MAXRT): what TCP had not delivered when
-# it dropped would be lost, and a lost init or status leaves its room waiting for the 300 s
-# timeouts (seen after a one-way cut healed: the connection was dropped just after the heal,
-# with the next request's init in it). Instead each side drops its socket to a peer it declares
-# dead (:meth:`PushSockets.drop`), so nothing it sends afterwards queues behind bytes TCP is
-# still retrying with a back-off of tens of seconds: it goes on a new connection, made once the
-# link is back. A connect unanswered this long is tried again, not left to the kernel's 2-minute
-# SYN retries.
+# A connection is never dropped while it may still deliver: messages to one peer arrive in the
+# order they were sent, none lost, which the protocol leans on (an abort is handled before the
+# pong that follows it; a frozen peer reads, once it runs again, what was sent meanwhile). Over a
+# link cut for a while, what was sent waits for TCP's next retransmission once the link is back
+# (its back-off grows with the cut's length), and so does what is sent after it. An earlier
+# version dropped a connection whose bytes stayed unacknowledged for 5 s (ZMQ's TCP_MAXRT): the
+# wait after a long cut went, but the drop could come just after the link returned, with the
+# next request's init inside, and that request waited for the 300 s timeouts. A connect
+# unanswered this long is tried again, not left to the kernel's 2-minute SYN retries.
 CONNECT_MS = 1000
 
 

@@ -19,12 +19,17 @@ the same folder, image and prompt (``monolithic.greedy_mismatch``: the ids equal
 step where the reference itself had a near tie of bf16 logits; SGLang's tower and language model
 round some values differently from transformers'). Exits non-zero on any error or mismatch.
 
+With ``--hosts`` the two workers run on two simulated hosts (``hosts.py``: network namespaces on a
+bridge; needs root, iproute2, iptables), each bound to ``0.0.0.0`` and advertising its own
+host's address, and this process is the client on a third: the same requests across hosts.
+
 The seeded model has random weights: its text means nothing, its tokens are exact.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -35,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import requests  # noqa: E402
+from hosts import Network  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402
 from transfer_large_image import DEFAULT_SET, make_image  # noqa: E402
 from workers import SGLANG_READY, WorkerProcess, free_port, start_together  # noqa: E402
@@ -53,16 +59,21 @@ def prompt_for(images: int) -> str:
 
 
 def start_workers(folder: str, encoder: str, encode_args: list[str], language_args: list[str],
-                  timeout: float) -> tuple[WorkerProcess, WorkerProcess]:
+                  timeout: float, net: Network | None = None) -> tuple[WorkerProcess, WorkerProcess]:
     """The encode worker and SGLang's language server, started side by side (the language server
-    asks its encoders for their ``/health`` at the first request, not at start-up)."""
+    asks its encoders for their ``/health`` at the first request, not at start-up); on ``net``'s
+    hosts ``encoder`` and ``language`` when it is given."""
     encode_port = free_port()
-    language = ["--model-path", folder, "--encoder-urls", f"http://127.0.0.1:{encode_port}", "--skip-server-warmup",
+    place = {role: {} if net is None else {"host": net[role].address, "bind": "0.0.0.0", "netns": net[role].netns}
+             for role in ("encoder", "language")}
+    encode_host = place["encoder"].get("host", "127.0.0.1")
+    language = ["--model-path", folder, "--encoder-urls", f"http://{encode_host}:{encode_port}", "--skip-server-warmup",
                 "--enable-metrics", *language_args]  # --enable-metrics: SGLang's time stamps in meta_info
     encode, lang = start_together(
         lambda: WorkerProcess("encode", "--model-path", folder, "--encoder", encoder, *encode_args, port=encode_port,
-                              command=SGLANG_LAUNCH, timeout=timeout),
-        lambda: WorkerProcess("language", *language, command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=timeout))
+                              command=SGLANG_LAUNCH, timeout=timeout, **place["encoder"]),
+        lambda: WorkerProcess("language", *language, command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=timeout,
+                              **place["language"]))
     return encode, lang
 
 
@@ -129,10 +140,13 @@ def main() -> int:
     ap.add_argument("--language-arg", action="append", default=[], help="extra flag for SGLang's language server")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", help="write the per-request results here")
+    ap.add_argument("--hosts", action="store_true",
+                    help="each worker on a simulated host of its own, this process the client (needs root)")
     args = ap.parse_args()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # progress; the table goes to stdout
     began = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="epd-generate-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="epd-generate-") as tmp, contextlib.ExitStack() as stack:
+        net = stack.enter_context(Network(["encoder", "language"])) if args.hosts else None
         folder = args.model_path
         if folder is None:
             log("writing the seeded checkpoint ...")
@@ -146,8 +160,8 @@ def main() -> int:
             requests_set.append((name, paths))
         log("starting the encode worker and SGLang's language server ...")
         results = {}
-        encode, lang = start_workers(folder, args.encoder, args.encode_arg, args.language_arg, args.timeout)
-        log(f"both up after {time.perf_counter() - began:.0f} s")
+        encode, lang = start_workers(folder, args.encoder, args.encode_arg, args.language_arg, args.timeout, net)
+        log(f"both up after {time.perf_counter() - began:.0f} s: encoder at {encode.url}, language server at {lang.url}")
         try:
             # SGLang's encoder's first forward pass is several times slower than the next ones
             warm_up = f"{tmp}/warm-up.png"

@@ -92,14 +92,15 @@ def greedy_generate(model, inputs: dict, max_new_tokens: int) -> Greedy:
 
 def greedy_mismatch(got: list[int], reference: Greedy, tolerance: float = NEAR_TIE_NATS) -> str | None:
     """None when ``got`` is the reference's greedy output as the module docstring defines it, else
-    what differs."""
-    if len(got) != len(reference.ids):
-        return f"{len(got)} ids, the reference has {len(reference.ids)}: {got} vs {reference.ids}"
-    for step, (ours, theirs) in enumerate(zip(got, reference.ids, strict=True)):
+    what differs. Lengths are compared only where every step agreed: after a near tie the two
+    continue from different prefixes, and one may reach the end-of-sequence token sooner."""
+    for step, (ours, theirs) in enumerate(zip(got, reference.ids)):
         if ours != theirs:
             gap = float(reference.logprobs[step, theirs] - reference.logprobs[step, ours])
             if gap > tolerance:
                 return (f"step {step}: {ours} where the reference chose {theirs}, {gap:.3f} nats below it "
                         f"(a near tie is at most {tolerance}): {got} vs {reference.ids}")
             return None
+    if len(got) != len(reference.ids):
+        return f"{len(got)} ids, the reference has {len(reference.ids)}: {got} vs {reference.ids}"
     return None

@@ -13,8 +13,9 @@ The language mode's hooks on SGLang's tokenizer manager live in
 :mod:`sglang_ext.language_server`; one more, in every mode, gives SGLang's ``torch_native``
 attention backend (the CPU one) an extend without padded queries
 (:mod:`sglang_ext.cpu_attention`), another SGLang's vision attention on a CPU a mask-free
-one (:mod:`sglang_ext.cpu_vision_attention`), and one Qwen2-Audio's encoder the padding mask
-upstream leaves out (:mod:`sglang_ext.qwen2_audio_mask`, on every device).
+one (:mod:`sglang_ext.cpu_vision_attention`), one Qwen2-Audio's encoder the padding mask
+upstream leaves out (:mod:`sglang_ext.qwen2_audio_mask`, on every device), and one leaves the
+language side's Qwen2.5-VL and Qwen3-VL without a vision tower (:mod:`sglang_ext.no_vision_tower`).
 
 SGLang runs plugins in every process it starts (schedulers, detokenizers); there this costs a
 version check and the registrations, and imports nothing of ours until a hook is called.
@@ -50,6 +51,10 @@ QWEN2_AUDIO_FEATURE = "sglang.srt.models.qwen2_audio.Qwen2AudioForConditionalGen
 # every batch's sampling seeded per request (sglang_ext/seeds.py), in our language mode
 SAMPLING_BATCH_INFO = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch"
 SEEDED_DRAW = "sglang.srt.layers.sampler.multinomial_with_seed"  # torch.compile'd: eager on a CPU
+# SGLang's models that build a vision tower as ``visual``, left without it on the language side
+# (sglang_ext/no_vision_tower.py; a subclass's constructor runs its base's, hook included)
+VISION_TOWER_MODELS = ("sglang.srt.models.qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
+                       "sglang.srt.models.qwen3_vl.Qwen3VLForConditionalGeneration")
 # SGLang transfer backends and the Mooncake protocol each maps to (None: from --mooncake-protocol)
 BACKENDS = {"mooncake": None, "mooncake_tcp": "tcp"}
 
@@ -85,6 +90,8 @@ def register() -> None:
     HookRegistry.register(RESOLVED_DICT, _after_resolved_dict, HookType.AFTER)
     HookRegistry.register(SAMPLING_BATCH_INFO, _after_sampling_batch_info, HookType.AFTER)
     HookRegistry.register(SEEDED_DRAW, _around_seeded_draw, HookType.AROUND)
+    for model in VISION_TOWER_MODELS:
+        HookRegistry.register(f"{model}.__init__", _after_vision_model_init, HookType.AFTER)
 
 
 def _unsupported(message: str) -> None:
@@ -185,6 +192,12 @@ def _around_qwen2_audio_feature(original, *args, **kwargs):
     from sglang_ext.qwen2_audio_mask import masked_audio_feature
 
     return masked_audio_feature(original, *args, **kwargs)
+
+
+def _after_vision_model_init(result, *args, **kwargs) -> None:
+    from sglang_ext.no_vision_tower import drop_vision_tower
+
+    drop_vision_tower(result, *args, **kwargs)
 
 
 def _around_vision_sdpa(original, *args, **kwargs):

@@ -73,8 +73,11 @@ def test_bench_generate_quick_prints_the_ttft_split_and_the_ratio_against_sglang
 
 
 @pytest.mark.sglang
-def test_the_main_job_generates_on_sglangs_server_and_matches_the_monolithic_model(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(SCRIPTS / "generate_from_images.py"), "--quick", "--json",
+@pytest.mark.hosts
+def test_the_main_job_generates_on_sglangs_server_across_hosts_and_matches_the_monolithic_model(
+        tmp_path: Path) -> None:
+    # Across two simulated hosts (--hosts): the same job, each worker at its own address.
+    out = subprocess.run([sys.executable, str(SCRIPTS / "generate_from_images.py"), "--quick", "--hosts", "--json",
                           str(tmp_path / "m.json")], capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
@@ -83,6 +86,7 @@ def test_the_main_job_generates_on_sglangs_server_and_matches_the_monolithic_mod
     assert re.fullmatch(r"monolithic check \(448x448\): tokens equal( up to a near tie at step \d+)? "
                         r"\(16 disaggregated, 16 monolithic\)", lines[-2]), lines[-2]
     assert lines[-1] == "2/2 requests generated; all checks passed"
+    assert re.search(r"encoder at http://10\.[\d.]+:\d+, language server at http://10\.[\d.]+:\d+", out.stderr)
     assert [line.split()[:3] for line in lines[1:3]] == [["448x448", "256", "0"], ["2x640x480", "782", "0"]]
     results = json.loads((tmp_path / "m.json").read_text())
     assert [r["image_tokens"] for r in results.values()] == [256, 782]

@@ -159,6 +159,14 @@ def test_every_choice_of_an_n_2_request_uses_the_embedding_from_the_connector(wo
     assert not [line for line in language.log if "falling back to local mm processing" in line]
 
 
+def test_the_language_server_holds_no_vision_tower(workers) -> None:
+    """Its model is built without the tower, whose weights are never loaded
+    (``sglang_ext.no_vision_tower``); every image test of this module passes through it."""
+    _, language = workers
+    dropped = [line for line in language.log if "built without its vision tower" in line]
+    assert dropped and "Qwen2_5_VLForConditionalGeneration" in dropped[0], dropped
+
+
 def test_videos_equal_monolithic(workers, clips, video_reference) -> None:
     """Each clip alone, then both in one prompt (two parts, one per video): SGLang's encoder
     samples and encodes them, the seconds per temporal patch come along for the positions."""
