@@ -285,10 +285,17 @@ class EmbeddingReceiver:
                 m.allocator.free(_blocks(rounds))
         return out
 
-    def abort(self, kind: FailureKind = FailureKind.CANCELLED, reason: str = "aborted by the language side") -> None:
+    def abort(self, kind: FailureKind = FailureKind.CANCELLED, reason: str = "aborted by the language side") -> bool:
         """Fail at once and tell the encoder. Blocks the encoder may still be writing come back
-        with its ack (or when it is found gone, or after the ack timeout); others at once."""
-        self.handle(Abort(kind, reason, self._m.clock()))
+        with its ack (or when it is found gone, or after the ack timeout); others at once.
+        Returns whether the whole embedding had arrived when the abort took effect (the encoder
+        was told it landed): decided under the lock that orders it with the last round's status."""
+        with self._m._lock:
+            arrived = self.machine.state.status == KVPoll.Success
+            sends, copies = self._apply(self.machine.on(Abort(kind, reason, self._m.clock())))
+        assert not copies, "an abort gave rounds away"
+        self._send(sends)
+        return arrived
 
     def suspend(self) -> None:
         """Ask the encoder to write nothing more for this room (sleep); its ack ends SUSPENDING.

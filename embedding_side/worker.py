@@ -71,6 +71,24 @@ from worker_infra.sleep import SleepGate, WorkerState
 log = logging.getLogger(__name__)
 
 
+async def _unless_failed(sender: EmbeddingSender, work: Future) -> object:
+    """``work``'s result, or the room's failure as soon as the room fails (the worker stops, the
+    language peer aborts it): the client is answered then, not when a 4K forward pass ends. The
+    thread's pass then ends on its own and its result goes nowhere."""
+    finished = asyncio.wrap_future(work)
+    failed = asyncio.wrap_future(sender.delivered)  # fails with the room; set only after a send
+    for waited in (finished, failed):
+        waited.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even if nobody awaits it
+    try:
+        await asyncio.wait({finished, failed}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()  # not started yet: it never will be
+        raise
+    if not finished.done():
+        failed.result()  # raises the room's failure
+    return finished.result()
+
+
 class EncodeWorker:
     def __init__(self, config: ConnectorConfig, encoder: VisionEncoder, bootstrap_port: int,
                  media: MediaPolicy | None = None, queue_while_sleeping: bool = False,
@@ -249,12 +267,12 @@ class EncodeWorker:
             if modality == "image":  # a video or audio clip is decoded by the encoder itself
                 try:
                     work = self._loaders.submit(self._decode, items, refs)
-                    items = await asyncio.wrap_future(work)
+                    items = await _unless_failed(sender, work)
                 except ImageInputError as exc:
                     raise TransferFailure(FailureKind.BAD_REQUEST, str(exc)) from None
             while True:
                 work = self._compute.submit(self._run_encoder, sender, modality, items)
-                if (encoded := await asyncio.wrap_future(work)) is not None:
+                if (encoded := await _unless_failed(sender, work)) is not None:
                     break
                 await self.gate.wait_awake()  # it fell asleep before this encode could start
         finally:

@@ -279,10 +279,8 @@ class LanguageWorker:
             requests = [r for r in self._requests.values() if r.phase not in (Q.CONSUMING, Q.DONE, Q.FAILED)]
         for req in requests:
             why = reason
-            if req.receiver is not None:
-                if req.receiver.poll() == KVPoll.Success:  # the encoder delivered it: say so
-                    why = f"{reason} (its embedding had arrived; the request was not served)"
-                req.receiver.abort(kind, why)
+            if req.receiver is not None and req.receiver.abort(kind, reason):  # the encoder delivered it: say so
+                why = f"{reason} (its embedding had arrived; the request was not served)"
             self._fail(req, kind, why)
 
     def _wait_for_blocks(self) -> None:

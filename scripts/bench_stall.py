@@ -124,12 +124,13 @@ def main() -> None:
     ap.add_argument("--size", default="3840x2160")
     ap.add_argument("--isolate-scheduler", action="store_true",
                     help="the scheduler process alone on CPU 0, everything else on the other CPUs")
+    ap.add_argument("--model-path", help="Qwen2.5-VL folder (default: the seeded one, hidden 3584, one layer)")
     ap.add_argument("--json")
     args = ap.parse_args()
     width, height = (int(v) for v in args.size.split("x"))
     tmp = tempfile.TemporaryDirectory(prefix="bench-stall-")
-    print("writing the seeded checkpoint (hidden 3584) and the images ...", file=sys.stderr, flush=True)
-    folder = str(write_checkpoint(Path(tmp.name) / "model", 3584))
+    print("writing the seeded checkpoint (unless --model-path) and the images ...", file=sys.stderr, flush=True)
+    folder = args.model_path or str(write_checkpoint(Path(tmp.name) / "model", 3584))
     paths = []
     for k in range(args.images):
         paths.append(str(Path(tmp.name) / f"img{k}.png"))

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
+import worker_zygote
 from aiohttp.test_utils import TestServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,8 +76,12 @@ class WorkerProcess:
                 args += LOOPBACK_ENCODERS
             # A file, not a pipe: nobody has to keep reading it for the worker to keep running.
             self.log_file = tempfile.NamedTemporaryFile("w+", prefix=f"{mode}-worker-", suffix=".log", delete=False)
-            self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log_file, stderr=subprocess.STDOUT, text=True,
-                                         env={**os.environ, "MC_LOG_LEVEL": "ERROR", **(env or {})})
+            worker_env = {**os.environ, "MC_LOG_LEVEL": "ERROR", **(env or {})}
+            if os.environ.get("EPD_FORK_WORKERS") == "1" and tuple(command) == SGLANG_LAUNCH and not netns:
+                self.proc = worker_zygote.spawn(args[len(command):], worker_env, str(ROOT), self.log_file.name)
+            else:
+                self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log_file, stderr=subprocess.STDOUT, text=True,
+                                             env=worker_env)
             LIVE.add(self)
             try:
                 self._wait_ready(timeout)

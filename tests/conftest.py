@@ -27,6 +27,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+# Workers started by SGLang's launcher are forked from a process that imported it once
+# (scripts/worker_zygote.py): 1-3 s a start instead of 13-15 s here. EPD_FORK_WORKERS=0 starts
+# each one fresh.
+os.environ.setdefault("EPD_FORK_WORKERS", "1")
 
 import zmq  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402

@@ -18,7 +18,7 @@ from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
 from connector.failures import FailureKind, TransferFailure
-from connector.messages import InitMsg, StatusMsg
+from connector.messages import AbortMsg, InitMsg, StatusMsg
 from connector.poll import KVPoll
 from connector.sender import EmbeddingSenderManager
 from connector.staging import ByteBudget
@@ -271,4 +271,42 @@ def test_decoding_waits_for_its_memory_in_arrival_order_and_never_exceeds_the_bu
         statuses = [raw.expect(), raw.expect()]
         assert sorted((m.room, m.status) for m in statuses) == [(1, KVPoll.Success), (2, KVPoll.Success)]
     finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("failed_by", ["stop", "language abort"])
+def test_a_room_failed_during_its_forward_pass_answers_the_encode_request_at_once(raw_language, raw_pool, tmp_path,
+                                                                                  failed_by) -> None:
+    """The encode request is answered when its room fails (SIGINT's stop, or its language peer's
+    abort), not when the forward pass under way ends: that took seconds for a 4K image, and a
+    stopping server closed the connection without an answer. The pass's memory is released when
+    the pass ends."""
+    transport, pool = raw_pool
+    raw = raw_language
+    raw.session = transport.session_id
+    image = str(tmp_path / "img.png")
+    make_image(448, 448, seed=3).save(image)
+    worker = EncodeWorker(ConnectorConfig(num_blocks=100), GatedEncoder(), free_port(),
+                          MediaPolicy.create([str(tmp_path)]))
+    try:
+        raw.connect(worker.sender.rank_port)
+        raw.register(pool)
+        raw.send(InitMsg(4, "127.0.0.1", raw.port, raw.session, tuple(range(2)), 1, 256))
+        wait_for(lambda: worker.sender.asked_for(4), 5, "the init")
+        with ThreadPoolExecutor(1) as runner:
+            reply = runner.submit(asyncio.run, worker.encode("rid4", 4, [image], wait_for_delivery=False))
+            wait_for(lambda: worker._computing == 1, 10, "the forward pass")
+            if failed_by == "stop":
+                worker.stop()
+            else:
+                raw.send(AbortMsg(4, "127.0.0.1", raw.port, raw.generation))
+            with pytest.raises(TransferFailure) as err:
+                reply.result(timeout=5)  # the encoder is still held
+        assert err.value.kind == (FailureKind.SHUTTING_DOWN if failed_by == "stop" else FailureKind.ABORTED), err.value
+        assert worker._queues()["decode_bytes"] > 0  # the pass still holds what it decoded
+        worker.encoder.go.set()
+        wait_for(lambda: worker._queues()["decode_bytes"] == 0 and worker.sender.staging.used == 0, 10,
+                 "the pass's memory")
+    finally:
+        worker.encoder.go.set()
         worker.close()

@@ -1,0 +1,234 @@
+"""Worker processes forked from one that imported SGLang's launcher once (the tests' way to start
+many workers on a small machine).
+
+``python -m sglang.launch_server`` spends about 10 s of CPU importing SGLang (transformers and
+torch with it) before it parses a flag; a test suite that starts a few hundred workers spends most
+of its time there. The zygote is a child process that imports the launcher once, then for each
+worker forks and runs the launcher's ``__main__`` with the worker's arguments, environment and log
+file, as ``python -m`` does (:func:`runpy.run_module`). What the worker does from there is the
+launcher's own code path; what SGLang starts in turn (its scheduler and detokenizer, spawned)
+starts fresh.
+
+Used by :class:`workers.WorkerProcess` when ``EPD_FORK_WORKERS=1`` (the test suite sets it) for
+workers started by SGLang's launcher outside a network namespace. Protocol, one JSON object per
+line: the parent writes ``{"id", "argv", "env", "cwd", "log"}``; the zygote answers
+``{"id", "pid"}`` (or ``{"id", "error"}``) at once and ``{"id", "exit"}`` when that worker has ended
+(its exit code, or minus the signal that ended it, as :class:`subprocess.Popen` reports it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import random
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+LAUNCHER = "sglang.launch_server"
+
+
+# ---- the parent's side ----------------------------------------------------------------------------
+
+class ForkedProcess:
+    """A worker the zygote forked, with what tests use of :class:`subprocess.Popen`."""
+
+    def __init__(self, zygote: Zygote, key: int, pid: int, args: list[str]) -> None:
+        self._zygote, self._key, self.pid, self.args = zygote, key, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self._key)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class Zygote:
+    """The parent's handle on its zygote process (started at the first :meth:`spawn`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._keys = iter(range(1, 1 << 62))
+        self._pids: dict[int, dict] = {}  # key -> the zygote's answer to its spawn
+        self._exits: dict[int, int] = {}
+        self._answered = threading.Condition(self._lock)
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str, log: str, timeout: float = 120.0) -> ForkedProcess:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._start()
+            key = next(self._keys)
+            self._proc.stdin.write(json.dumps({"id": key, "argv": argv, "env": env, "cwd": cwd, "log": log}) + "\n")
+            self._proc.stdin.flush()
+            if not self._answered.wait_for(lambda: key in self._pids or self._proc.poll() is not None, timeout):
+                raise RuntimeError(f"the worker zygote did not fork within {timeout:g}s")
+            answer = self._pids.pop(key, None)
+        if answer is None or "error" in answer:
+            why = answer["error"] if answer else "it exited:\n" + Path(self._log.name).read_text()[-3000:]
+            raise RuntimeError(f"the worker zygote could not fork: {why}")
+        return ForkedProcess(self, key, answer["pid"], [sys.executable, "-m", LAUNCHER, *argv])
+
+    def exit_code(self, key: int) -> int | None:
+        with self._lock:
+            return self._exits.pop(key, None)
+
+    def _start(self) -> None:
+        # its own output (SGLang's import warnings, a crash) goes to a file: the workers' go to theirs
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="worker-zygote-", suffix=".log", delete=False)
+        self._proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
+        threading.Thread(target=self._read, args=(self._proc,), name="zygote-reader", daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            answer = json.loads(line)
+            with self._lock:
+                if "exit" in answer:
+                    self._exits[answer["id"]] = answer["exit"]
+                else:
+                    self._pids[answer["id"]] = answer
+                self._answered.notify_all()
+        with self._lock:
+            self._answered.notify_all()
+
+
+_ZYGOTE = Zygote()
+
+
+def spawn(argv: list[str], env: dict[str, str], cwd: str, log: str) -> ForkedProcess:
+    """Fork a worker running ``python -m sglang.launch_server *argv`` from this process's zygote."""
+    return _ZYGOTE.spawn(argv, env, cwd, log)
+
+
+# ---- the zygote ------------------------------------------------------------------------------------
+
+def _run_worker(request: dict) -> None:
+    """In the forked child: become the worker, as ``python -m sglang.launch_server`` would; never returns."""
+    code, interrupted = 1, False
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(null)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        random.seed()  # a fresh process seeds itself from the OS; a fork would share the zygote's state
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        sys.argv = [sys.executable, *request["argv"]]
+        sys.path[:] = [request["cwd"], *_BASE_PATH]  # as `python -m` has it: the working folder first
+        try:
+            runpy.run_module(LAUNCHER, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if exc.code is not None and not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)
+        except BaseException as exc:  # noqa: BLE001 - what an interpreter does with an uncaught exception
+            traceback.print_exc()
+            interrupted = isinstance(exc, KeyboardInterrupt)
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        if interrupted:  # as the interpreter ends on an uncaught KeyboardInterrupt: by SIGINT (-2)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code)
+
+
+def serve() -> None:
+    # What the workers import before they serve (the point of the zygote); none of it starts a
+    # thread. Not prometheus_client: it picks how it keeps values (in memory, or in the files of
+    # PROMETHEUS_MULTIPROC_DIR) once, at its import, and SGLang's server sets that folder first.
+    import sglang.launch_server  # noqa: F401
+    import sglang.srt.entrypoints.http_server  # noqa: F401
+
+    import connector.mooncake_transport  # noqa: F401
+    import connector.receiver  # noqa: F401
+    import connector.sender  # noqa: F401
+    import embedding_side.encoders  # noqa: F401
+    import embedding_side.sglang_encoder  # noqa: F401
+    import sglang_ext.launch_server  # noqa: F401
+    import worker_infra.http  # noqa: F401
+
+    if "prometheus_client" in sys.modules:
+        raise SystemExit("worker zygote: prometheus_client was imported before a worker set its multiprocess folder")
+
+    parent = os.getppid()
+    workers: dict[int, int] = {}  # pid -> request id
+    pending = ""
+    while True:
+        readable, _, _ = select.select([sys.stdin], [], [], 0.05)
+        if readable:
+            chunk = os.read(sys.stdin.fileno(), 65536).decode()
+            if not chunk:
+                return  # the parent is gone: its workers are its to stop
+            pending += chunk
+            while "\n" in pending:
+                line, pending = pending.split("\n", 1)
+                request = json.loads(line)
+                sys.stdout.flush()
+                try:
+                    pid = os.fork()
+                except OSError as exc:
+                    print(json.dumps({"id": request["id"], "error": str(exc)}), flush=True)
+                    continue
+                if pid == 0:
+                    _run_worker(request)
+                workers[pid] = request["id"]
+                print(json.dumps({"id": request["id"], "pid": pid}), flush=True)
+        while workers:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid in workers:
+                print(json.dumps({"id": workers.pop(pid), "exit": os.waitstatus_to_exitcode(status)}), flush=True)
+        if os.getppid() != parent:
+            return
+
+
+_BASE_PATH = sys.path[1:]  # without this script's folder
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    serve()
