@@ -94,7 +94,7 @@ def greedy_mismatch(got: list[int], reference: Greedy, tolerance: float = NEAR_T
     """None when ``got`` is the reference's greedy output as the module docstring defines it, else
     what differs. Lengths are compared only where every step agreed: after a near tie the two
     continue from different prefixes, and one may reach the end-of-sequence token sooner."""
-    for step, (ours, theirs) in enumerate(zip(got, reference.ids)):
+    for step, (ours, theirs) in enumerate(zip(got, reference.ids, strict=False)):
         if ours != theirs:
             gap = float(reference.logprobs[step, theirs] - reference.logprobs[step, ours])
             if gap > tolerance:
