@@ -290,12 +290,7 @@ class EmbeddingReceiver:
         with its ack (or when it is found gone, or after the ack timeout); others at once.
         Returns whether the whole embedding had arrived when the abort took effect (the encoder
         was told it landed): decided under the lock that orders it with the last round's status."""
-        with self._m._lock:
-            arrived = self.machine.state.status == KVPoll.Success
-            sends, copies = self._apply(self.machine.on(Abort(kind, reason, self._m.clock())))
-        assert not copies, "an abort gave rounds away"
-        self._send(sends)
-        return arrived
+        return self.handle(Abort(kind, reason, self._m.clock())) == KVPoll.Success
 
     def suspend(self) -> None:
         """Ask the encoder to write nothing more for this room (sleep); its ack ends SUSPENDING.
@@ -324,12 +319,15 @@ class EmbeddingReceiver:
 
     # ---- events from the manager ------------------------------------------------------------
 
-    def handle(self, event: Event) -> None:
-        """Hand the room ``event`` and apply what it says (frames once the lock is released)."""
+    def handle(self, event: Event) -> KVPoll:
+        """Hand the room ``event`` and apply what it says (frames once the lock is released);
+        returns the room's status just before the event took effect."""
         with self._m._lock:
+            before = self.machine.state.status
             sends, copies = self._apply(self.machine.on(event))
         assert not copies, f"{event} gave rounds away"
         self._send(sends)
+        return before
 
     def on_status(self, msg: StatusMsg) -> None:
         """A status from the encoder (manager lock held). Until the room has its aux row, the
