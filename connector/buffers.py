@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -225,8 +227,15 @@ def _runs(block_ids: list[int], num_tokens: int, block_size: int) -> list[tuple[
             for s, e in zip(starts, ends, strict=True)]
 
 
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's and AMD's (ROCm's torch answers torch.cuda)
+
+
 def cuda_present() -> bool:
-    """Whether this process can page-lock memory for CUDA: torch installed and a GPU visible."""
+    """Whether this process can page-lock memory for CUDA: torch installed and a GPU visible. A
+    machine without a GPU driver answers without importing torch (2 s of CPU for a process that
+    has no other use for it: the transfer-only receiver, the fake encoder)."""
+    if "torch" not in sys.modules and not any(os.path.exists(path) for path in GPU_DRIVER_FILES):
+        return False
     try:
         import torch
     except ImportError:

@@ -5,13 +5,16 @@ many workers on a small machine).
 torch with it) before it parses a flag; a test suite that starts a few hundred workers spends most
 of its time there. The zygote is a child process that imports the launcher once, then for each
 worker forks and runs the launcher's ``__main__`` with the worker's arguments, environment and log
-file, as ``python -m`` does (:func:`runpy.run_module`). What the worker does from there is the
-launcher's own code path; what SGLang starts in turn (its scheduler and detokenizer, spawned)
-starts fresh.
+file, as ``python -m`` does (:func:`runpy.run_module`), in a network namespace when it is given one
+(a simulated host: the child joins it as ``ip netns exec`` would). What the worker does from there is
+the launcher's own code path, with one change: SGLang starts its scheduler and detokenizer by fork
+instead of spawn (each spawned child imports SGLang again: 18 s -> 4 s a language server start
+here). Nothing has run a torch kernel or started a thread in the launcher at that point.
 
 Used by :class:`workers.WorkerProcess` when ``EPD_FORK_WORKERS=1`` (the test suite sets it) for
-workers started by SGLang's launcher outside a network namespace. Protocol, one JSON object per
-line: the parent writes ``{"id", "argv", "env", "cwd", "log"}``; the zygote answers
+workers started by ``python -m sglang.launch_server``; ``sglang serve`` and ``EPD_FORK_WORKERS=0``
+start fresh, SGLang's children spawned. Protocol, one JSON object per
+line: the parent writes ``{"id", "argv", "env", "cwd", "log", "netns"}``; the zygote answers
 ``{"id", "pid"}`` (or ``{"id", "error"}``) at once and ``{"id", "exit"}`` when that worker has ended
 (its exit code, or minus the signal that ended it, as :class:`subprocess.Popen` reports it).
 """
@@ -19,7 +22,9 @@ line: the parent writes ``{"id", "argv", "env", "cwd", "log"}``; the zygote answ
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
+import multiprocessing
 import os
 import random
 import runpy
@@ -32,6 +37,8 @@ import threading
 import time
 import traceback
 from pathlib import Path
+
+import setproctitle
 
 LAUNCHER = "sglang.launch_server"
 
@@ -80,12 +87,14 @@ class Zygote:
         self._exits: dict[int, int] = {}
         self._answered = threading.Condition(self._lock)
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str, log: str, timeout: float = 120.0) -> ForkedProcess:
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str, log: str, netns: str | None = None,
+              timeout: float = 120.0) -> ForkedProcess:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
             key = next(self._keys)
-            self._proc.stdin.write(json.dumps({"id": key, "argv": argv, "env": env, "cwd": cwd, "log": log}) + "\n")
+            self._proc.stdin.write(json.dumps({"id": key, "argv": argv, "env": env, "cwd": cwd, "log": log,
+                                                "netns": netns}) + "\n")
             self._proc.stdin.flush()
             if not self._answered.wait_for(lambda: key in self._pids or self._proc.poll() is not None, timeout):
                 raise RuntimeError(f"the worker zygote did not fork within {timeout:g}s")
@@ -122,12 +131,34 @@ class Zygote:
 _ZYGOTE = Zygote()
 
 
-def spawn(argv: list[str], env: dict[str, str], cwd: str, log: str) -> ForkedProcess:
-    """Fork a worker running ``python -m sglang.launch_server *argv`` from this process's zygote."""
-    return _ZYGOTE.spawn(argv, env, cwd, log)
+def spawn(argv: list[str], env: dict[str, str], cwd: str, log: str, netns: str | None = None) -> ForkedProcess:
+    """Fork a worker running ``python -m sglang.launch_server *argv`` (in network namespace ``netns``)
+    from this process's zygote."""
+    return _ZYGOTE.spawn(argv, env, cwd, log, netns)
 
 
 # ---- the zygote ------------------------------------------------------------------------------------
+
+CLONE_NEWNET = 0x40000000
+
+
+def _enter_network_namespace(name: str) -> None:
+    """Join the namespace ``ip netns add`` made (Python 3.11 has no ``os.setns``); a fork has one thread."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    finally:
+        os.close(fd)
+
+
+def _fork_instead_of_spawn(method: str | None, force: bool = False) -> None:
+    """SGLang sets ``spawn`` before it starts its scheduler and detokenizer; in a forked worker they fork."""
+    _SET_START_METHOD("fork", force=True)
+
+
+_SET_START_METHOD = multiprocessing.set_start_method
 
 def _run_worker(request: dict) -> None:
     """In the forked child: become the worker, as ``python -m sglang.launch_server`` would; never returns."""
@@ -142,6 +173,9 @@ def _run_worker(request: dict) -> None:
         os.dup2(log, 2)
         os.close(log)
         os.close(null)
+        if request.get("netns"):
+            _enter_network_namespace(request["netns"])
+        multiprocessing.set_start_method = _fork_instead_of_spawn
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -149,6 +183,7 @@ def _run_worker(request: dict) -> None:
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         sys.argv = [sys.executable, *request["argv"]]
+        setproctitle.setproctitle(" ".join([sys.executable, "-m", LAUNCHER, *request["argv"]]))  # as ps shows a fresh one
         sys.path[:] = [request["cwd"], *_BASE_PATH]  # as `python -m` has it: the working folder first
         try:
             runpy.run_module(LAUNCHER, run_name="__main__", alter_sys=True)
@@ -191,6 +226,9 @@ def serve() -> None:
     if "prometheus_client" in sys.modules:
         raise SystemExit("worker zygote: prometheus_client was imported before a worker set its multiprocess folder")
 
+    # setproctitle finds the memory it writes titles into on its first call: here, while the
+    # environment is the one the interpreter started with (each child replaces it)
+    setproctitle.setproctitle(setproctitle.getproctitle())
     parent = os.getppid()
     workers: dict[int, int] = {}  # pid -> request id
     pending = ""

@@ -65,7 +65,8 @@ class WorkerProcess:
         for attempt in range(1, PORT_ATTEMPTS + 1):
             self.port = port or free_port()
             self.bootstrap_port = (bootstrap_port or free_port()) if mode == "encode" else None
-            args = [*(("ip", "netns", "exec", netns) if netns else ()), *command, "--disaggregation-mode", mode,
+            launch = [*(("ip", "netns", "exec", netns) if netns else ()), *command]
+            args = [*launch, "--disaggregation-mode", mode,
                     "--host", bind or host, *(("--advertise-host", host) if bind else ()), "--port", str(self.port),
                     *extra]
             if self.bootstrap_port:
@@ -77,8 +78,8 @@ class WorkerProcess:
             # A file, not a pipe: nobody has to keep reading it for the worker to keep running.
             self.log_file = tempfile.NamedTemporaryFile("w+", prefix=f"{mode}-worker-", suffix=".log", delete=False)
             worker_env = {**os.environ, "MC_LOG_LEVEL": "ERROR", **(env or {})}
-            if os.environ.get("EPD_FORK_WORKERS") == "1" and tuple(command) == SGLANG_LAUNCH and not netns:
-                self.proc = worker_zygote.spawn(args[len(command):], worker_env, str(ROOT), self.log_file.name)
+            if os.environ.get("EPD_FORK_WORKERS") == "1" and tuple(command) == SGLANG_LAUNCH:
+                self.proc = worker_zygote.spawn(args[len(launch):], worker_env, str(ROOT), self.log_file.name, netns)
             else:
                 self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log_file, stderr=subprocess.STDOUT, text=True,
                                              env=worker_env)

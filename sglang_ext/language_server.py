@@ -3,8 +3,8 @@
 ``python -m sglang.launch_server --disaggregation-mode language --encoder-urls ...`` (and
 ``--language-only``, and ``sglang serve``) starts SGLang's HTTP server, tokenizer manager,
 scheduler and detokenizer on ``--model-path`` unchanged, in SGLang's language-only mode with the
-``zmq_to_tokenizer`` transfer backend (the model file still builds its vision tower, which runs
-only for an item without a precomputed embedding; issue 36).
+``zmq_to_tokenizer`` transfer backend (the model is built without its vision or audio tower:
+:mod:`sglang_ext.no_encoder_tower`).
 :func:`sglang_ext.language_flags.sglang_argv` turns our mode into SGLang's flags (the plugin
 re-parses them, so SGLang validates its own configuration); then these hooks, mostly on SGLang's
 ``TokenizerManager``, acting only in the process where :func:`arm` was called (the one that runs

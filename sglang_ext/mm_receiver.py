@@ -220,9 +220,9 @@ class ResumableReceiver:
         the end."""
         try:
             async for out in stream:
-                for item in out if isinstance(out, list) else [out]:
+                for position, item in enumerate(out if isinstance(out, list) else [out]):
                     meta = item.get("meta_info") if isinstance(item, dict) else None
-                    if isinstance(meta, dict) and (transfer := self._transfer_meta.get(str(meta.get("id")))):
+                    if isinstance(meta, dict) and (transfer := self._transfer_of(obj, meta, item.get("index", position))):
                         meta.update(transfer)
                 yield out
         finally:
@@ -230,6 +230,18 @@ class ResumableReceiver:
                 self._transfer_meta.pop(str(rid), None)
                 self._inputs.pop(str(rid), None)
             await stream.aclose()
+
+    def _transfer_of(self, obj, meta: dict, index) -> dict | None:
+        """The image transfer of the response with ``meta``: its request's, found by its rid, or for
+        a choice of an ``n>1`` request, whose choices SGLang gives fresh rids (its ``index``: each
+        prompt's ``n`` choices in turn), its prompt's."""
+        if (transfer := self._transfer_meta.get(str(meta.get("id")))) is not None:
+            return transfer
+        choices = getattr(obj, "parallel_sample_num", 1)
+        rids = [obj.rid] if isinstance(obj.rid, str) else obj.rid or []
+        if choices > 1 and isinstance(index, int) and 0 <= index // choices < len(rids):
+            return self._transfer_meta.get(str(rids[index // choices]))
+        return None
 
     def inputs_of(self, rid: str) -> tuple[np.ndarray | None, list]:
         """The rows and grids of ``rid``'s images, once received (``(None, [])`` before)."""

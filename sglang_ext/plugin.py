@@ -15,10 +15,11 @@ attention backend (the CPU one) an extend without padded queries
 (:mod:`sglang_ext.cpu_attention`), another SGLang's vision attention on a CPU a mask-free
 one (:mod:`sglang_ext.cpu_vision_attention`), one Qwen2-Audio's encoder the padding mask
 upstream leaves out (:mod:`sglang_ext.qwen2_audio_mask`, on every device), and one leaves the
-language side's Qwen2.5-VL and Qwen3-VL without a vision tower (:mod:`sglang_ext.no_vision_tower`).
+language side's models without their vision or audio tower (:mod:`sglang_ext.no_encoder_tower`).
 
 SGLang runs plugins in every process it starts (schedulers, detokenizers); there this costs a
-version check and the registrations, and imports nothing of ours until a hook is called.
+version check and the registrations, and imports nothing of ours until a hook is called but the
+table of the models whose towers the language side drops.
 """
 
 from __future__ import annotations
@@ -51,10 +52,6 @@ QWEN2_AUDIO_FEATURE = "sglang.srt.models.qwen2_audio.Qwen2AudioForConditionalGen
 # every batch's sampling seeded per request (sglang_ext/seeds.py), in our language mode
 SAMPLING_BATCH_INFO = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch"
 SEEDED_DRAW = "sglang.srt.layers.sampler.multinomial_with_seed"  # torch.compile'd: eager on a CPU
-# SGLang's models that build a vision tower as ``visual``, left without it on the language side
-# (sglang_ext/no_vision_tower.py; a subclass's constructor runs its base's, hook included)
-VISION_TOWER_MODELS = ("sglang.srt.models.qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
-                       "sglang.srt.models.qwen3_vl.Qwen3VLForConditionalGeneration")
 # SGLang transfer backends and the Mooncake protocol each maps to (None: from --mooncake-protocol)
 BACKENDS = {"mooncake": None, "mooncake_tcp": "tcp"}
 
@@ -90,8 +87,11 @@ def register() -> None:
     HookRegistry.register(RESOLVED_DICT, _after_resolved_dict, HookType.AFTER)
     HookRegistry.register(SAMPLING_BATCH_INFO, _after_sampling_batch_info, HookType.AFTER)
     HookRegistry.register(SEEDED_DRAW, _around_seeded_draw, HookType.AROUND)
-    for model in VISION_TOWER_MODELS:
-        HookRegistry.register(f"{model}.__init__", _after_vision_model_init, HookType.AFTER)
+    from sglang_ext.no_encoder_tower import TOWERS  # the models left without their towers on the language side
+
+    for model, tower in TOWERS.items():
+        HookRegistry.register(f"{model}.__init__", _after_model_init(tower), HookType.AFTER)
+        HookRegistry.register(f"{model}.load_weights", _around_load_weights, HookType.AROUND)
 
 
 def _unsupported(message: str) -> None:
@@ -194,10 +194,19 @@ def _around_qwen2_audio_feature(original, *args, **kwargs):
     return masked_audio_feature(original, *args, **kwargs)
 
 
-def _after_vision_model_init(result, *args, **kwargs) -> None:
-    from sglang_ext.no_vision_tower import drop_vision_tower
+def _after_model_init(tower):
+    def hook(_result, model, config, *args, **kwargs) -> None:
+        from sglang_ext.no_encoder_tower import drop_tower
 
-    drop_vision_tower(result, *args, **kwargs)
+        drop_tower(tower, model, config)
+
+    return hook
+
+
+def _around_load_weights(original, model, weights, *args, **kwargs):
+    from sglang_ext.no_encoder_tower import without_tower_weights
+
+    return original(model, without_tower_weights(model, weights), *args, **kwargs)
 
 
 def _around_vision_sdpa(original, *args, **kwargs):

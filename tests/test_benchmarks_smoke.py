@@ -13,6 +13,13 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
+@pytest.fixture(scope="module")
+def small_model(seeded_checkpoint) -> list[str]:
+    """``--model-path`` of a small seeded checkpoint (hidden 256, 2 layers): what a benchmark does
+    is the same on it, in a fraction of the default 3584-wide checkpoint's time."""
+    return ["--model-path", seeded_checkpoint(256, layers=2)]
+
+
 def test_bench_resume_quick_writes_table_json_csv_and_plot(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(SCRIPTS / "bench_resume.py"), "--quick", "--sizes", "8193,16384,32768",
                           "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"),
@@ -51,10 +58,10 @@ def test_bench_load_prints_a_row_per_level_and_the_completed_line(tmp_path: Path
 
 @pytest.mark.sglang
 def test_bench_generate_quick_prints_the_ttft_split_and_the_ratio_against_sglangs_monolithic_server(
-        tmp_path: Path) -> None:
+        tmp_path: Path, small_model: list[str]) -> None:
     # transformers' tower in the encode worker (it starts in seconds; SGLang's encoder is the
     # benchmark's default and is tested in test_sglang_encoder)
-    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_generate.py"), "--quick", "--encoder", "qwen", "--json",
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_generate.py"), *small_model, "--quick", "--encoder", "qwen", "--json",
                           str(tmp_path / "g.json"), "--plot", str(tmp_path / "g.png")],
                          capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -75,9 +82,9 @@ def test_bench_generate_quick_prints_the_ttft_split_and_the_ratio_against_sglang
 @pytest.mark.sglang
 @pytest.mark.hosts
 def test_the_main_job_generates_on_sglangs_server_across_hosts_and_matches_the_monolithic_model(
-        tmp_path: Path) -> None:
+        tmp_path: Path, small_model: list[str]) -> None:
     # Across two simulated hosts (--hosts): the same job, each worker at its own address.
-    out = subprocess.run([sys.executable, str(SCRIPTS / "generate_from_images.py"), "--quick", "--hosts", "--json",
+    out = subprocess.run([sys.executable, str(SCRIPTS / "generate_from_images.py"), *small_model, "--quick", "--hosts", "--json",
                           str(tmp_path / "m.json")], capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
@@ -95,8 +102,8 @@ def test_the_main_job_generates_on_sglangs_server_across_hosts_and_matches_the_m
 
 
 @pytest.mark.sglang
-def test_bench_sleep_prints_level_1_and_level_2_mid_decode_and_the_ratio(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_sleep.py"), "--counts", "1", "--reps", "1",
+def test_bench_sleep_prints_level_1_and_level_2_mid_decode_and_the_ratio(tmp_path: Path, small_model: list[str]) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_sleep.py"), *small_model, "--counts", "1", "--reps", "1",
                           "--new-tokens", "48", "--json", str(tmp_path / "s.json")], capture_output=True, text=True,
                          timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -115,8 +122,8 @@ def test_bench_sleep_prints_level_1_and_level_2_mid_decode_and_the_ratio(tmp_pat
     assert level2["ratio"] > 0 and level1["ratio"] == 1.0
 
 
-def test_bench_embedding_cache_prints_the_turns_and_the_ratio(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_embedding_cache.py"), "--size", "448x448", "--turns",
+def test_bench_embedding_cache_prints_the_turns_and_the_ratio(tmp_path: Path, small_model: list[str]) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_embedding_cache.py"), *small_model, "--size", "448x448", "--turns",
                           "2", "--json", str(tmp_path / "c.json")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert re.fullmatch(r"cache_ttft_turn2_ratio=\d+\.\d+", out.stdout.strip().splitlines()[-1])
@@ -125,8 +132,8 @@ def test_bench_embedding_cache_prints_the_turns_and_the_ratio(tmp_path: Path) ->
 
 
 @pytest.mark.sglang
-def test_bench_stall_prints_the_gaps_in_and_out_of_the_receive_windows_and_the_ratio(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_stall.py"), "--streams", "2", "--images", "1",
+def test_bench_stall_prints_the_gaps_in_and_out_of_the_receive_windows_and_the_ratio(tmp_path: Path, small_model: list[str]) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_stall.py"), *small_model, "--streams", "2", "--images", "1",
                           "--quiet-s", "2", "--size", "1920x1080", "--json", str(tmp_path / "s.json")],
                          capture_output=True, text=True,
                          timeout=280)

@@ -122,3 +122,17 @@ def test_pool_is_plain_memory_without_cuda_and_refuses_to_pin() -> None:
     assert BufferPool(2, 128, 64).pinned is False
     with pytest.raises(ValueError, match="a pinned pool needs CUDA"):
         BufferPool(2, 128, 64, pinned=True)
+
+
+def test_a_machine_without_a_gpu_driver_is_answered_without_importing_torch(monkeypatch) -> None:
+    """A process that has not imported torch (the transfer-only receiver, the fake encoder, the
+    connector's test peers) is not made to import it (2 s of CPU) to learn there is no GPU."""
+    import sys
+
+    from connector import buffers
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(buffers, "GPU_DRIVER_FILES", ("/nonexistent/nvidiactl",))
+    assert buffers.cuda_present() is False
+    assert BufferPool(2, 128, 64).pinned is False
+    assert "torch" not in sys.modules

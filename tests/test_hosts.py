@@ -3,8 +3,10 @@
 SGLang's server on two language hosts (each sending to both encoders), all bound to every
 interface (``--host 0.0.0.0``) and advertising their own address (``--advertise-host``), with a
 control secret and an admin key; smg in plain routing over both language hosts on a gateway
-host; a stranger host on the same bridge. Every worker is started by ``sglang serve``, with 1 s
-heartbeats. Greedy ids are checked against transformers' monolithic ``generate``; every address
+host; a stranger host on the same bridge. The first encoder host and the first language host start
+their workers by ``sglang serve`` as a user does (a fresh interpreter; SGLang spawns its scheduler and
+detokenizer), the second ones by ``python -m sglang.launch_server`` as the other tests do (forked from
+the tests' warm launcher, ``EPD_FORK_WORKERS``), all with 1 s heartbeats. Greedy ids are checked against transformers' monolithic ``generate``; every address
 a worker gave a peer is checked to be its own host's; every port a worker's host listens on is
 one the README's deployment table lists. Then partitions, not process deaths: links between an
 encoder host and a language host cut both ways and one way, a language host cut off from both
@@ -43,7 +45,7 @@ from sglang_stack import (
 )
 from transfer_large_image import make_image
 from transformers import Qwen2_5_VLForConditionalGeneration
-from workers import ROOT, SGLANG_READY, WorkerProcess, free_port, start_together
+from workers import ROOT, SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, free_port, start_together
 
 pytestmark = [pytest.mark.hosts, pytest.mark.sglang]
 
@@ -51,8 +53,9 @@ ANY = "0.0.0.0"
 SECRET = "hosts-test-secret-0123456789"
 ADMIN_KEY = "hosts-test-admin-key"
 GUARDED = {"SGLANG_EMBEDDING_CONTROL_SECRET": SECRET}
-# These workers are started by ``sglang serve`` (every other test uses ``python -m sglang.launch_server``)
+# The first hosts' workers are started by ``sglang serve`` (every other test uses ``python -m sglang.launch_server``)
 SGLANG_SERVE = (str(Path(sys.executable).parent / "sglang"), "serve")
+LAUNCHERS = {"encoder": SGLANG_SERVE, "language": SGLANG_SERVE, "encoder2": SGLANG_LAUNCH, "language2": SGLANG_LAUNCH}
 # Short heartbeats (1 s, 2 misses: a peer is found silent within 4 s, docs/failure_bounds.md)
 # keep the partition tests short.
 HEARTBEATS = ("--heartbeat-interval", "1", "--heartbeat-max-failure", "2")
@@ -94,13 +97,13 @@ def cluster(net, folder) -> dict[str, WorkerProcess]:
     def encoder(host):
         return lambda: WorkerProcess("encode", "--model-path", folder, "--admin-api-key", ADMIN_KEY, *HEARTBEATS,
                                      port=ports[host.name], host=host.address, bind=ANY, netns=host.netns,
-                                     command=SGLANG_SERVE, env=GUARDED, timeout=300)
+                                     command=LAUNCHERS[host.name], env=GUARDED, timeout=300)
 
     def language(host):
         return lambda: WorkerProcess("language", "--model-path", folder, *LANGUAGE_FLAGS, "--admin-api-key", ADMIN_KEY,
                                      *HEARTBEATS, "--image-embedding-cache-bytes", "0", "--encoder-urls", *urls,
                                      "--allowed-bootstrap-hosts", *(e.address for e in encoders), host=host.address, bind=ANY, netns=host.netns,
-                                     trusted_media=False, command=SGLANG_SERVE, env=GUARDED, ready=SGLANG_READY,
+                                     trusted_media=False, command=LAUNCHERS[host.name], env=GUARDED, ready=SGLANG_READY,
                                      timeout=300)
 
     hosts = [*encoders, *languages]
@@ -350,15 +353,17 @@ def test_a_link_cut_mid_transfer_under_16_clients_then_healed(net, cluster, fres
             time.sleep(0.05)
         net.cut(net["encoder"], net["language"])
         cut_at = time.monotonic()
-        cut_with = requests.get(f"{a.url}/health", timeout=10).json()["active_rooms"]
-        statuses = [future.result().status_code for future in answers]
-        elapsed = time.monotonic() - started
+        try:
+            cut_with = requests.get(f"{a.url}/health", timeout=10).json()["active_rooms"]
+            statuses = [future.result().status_code for future in answers]
+            elapsed = time.monotonic() - started
+            # Down long enough for TCP's retransmission back-off to grow past what a request takes.
+            time.sleep(max(0.0, cut_at + PARTITION_S - time.monotonic()))
+        finally:
+            net.heal(net["encoder"])  # a failed test leaves no cut for the next
     assert statuses == [200] * 16, statuses
     assert elapsed < 240 + 3 * DETECTION_S, elapsed
     assert cut_with, "the cut came after encoder a's rooms ended"
-    # Down long enough for TCP's retransmission back-off to grow past what a request takes.
-    time.sleep(max(0.0, cut_at + PARTITION_S - time.monotonic()))
-    net.heal(net["encoder"])
     assert_served_after_heal(a, language, fresh, before, time.monotonic() - cut_at, "after-heal")
     all_blocks_back(a, b, language)
 
@@ -397,6 +402,7 @@ def wait_in_rotation(language: WorkerProcess, timeout: float = 30.0) -> None:
     assert not connector_health(language)["failing_encoders"], connector_health(language)
 
 
+@pytest.mark.serial  # the detection window is seconds: nothing else loads the machine meanwhile
 @pytest.mark.parametrize("direction", ["a to language", "language to a"])
 def test_a_one_way_cut_is_caught_by_the_heartbeats(net, cluster, fresh, before, direction: str) -> None:
     """Packets dropped in one direction only, mid transfer under 4 clients: the language side's
@@ -406,24 +412,26 @@ def test_a_one_way_cut_is_caught_by_the_heartbeats(net, cluster, fresh, before, 
     a, b, language = cluster["encoder"], cluster["encoder2"], cluster["language"]
     sender, receiver = (net["language"], net["encoder"]) if direction == "language to a" else (net["encoder"], net["language"])
     tag = direction.split()[0]
-    with ThreadPoolExecutor(4) as pool:
-        started = time.monotonic()
-        answers = [pool.submit(chat, language, fresh(1920, 1080), f"one-way-{tag}-{i}") for i in range(4)]
-        while not requests.get(f"{a.url}/health", timeout=10).json()["active_rooms"]:
-            assert time.monotonic() - started < 60, "encoder a never had a room"
-            time.sleep(0.05)
-        declared = re.compile(rf"encode peer \S*{re.escape(a.host)}:{a.bootstrap_port} declared dead")
-        deaths = sum(map(bool, map(declared.search, language.log)))
-        net.cut(sender, receiver, one_way=True)
-        cut_at = time.monotonic()
-        while sum(map(bool, map(declared.search, language.log))) == deaths:
-            assert time.monotonic() - cut_at < DETECTION_S + 2, "the one-way cut was not found"
-            time.sleep(0.2)
-        statuses = [future.result().status_code for future in answers]
-        elapsed = time.monotonic() - started
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            started = time.monotonic()
+            answers = [pool.submit(chat, language, fresh(1920, 1080), f"one-way-{tag}-{i}") for i in range(4)]
+            while not requests.get(f"{a.url}/health", timeout=10).json()["active_rooms"]:
+                assert time.monotonic() - started < 60, "encoder a never had a room"
+                time.sleep(0.05)
+            declared = re.compile(rf"encode peer \S*{re.escape(a.host)}:{a.bootstrap_port} declared dead")
+            deaths = sum(map(bool, map(declared.search, language.log)))
+            net.cut(sender, receiver, one_way=True)
+            cut_at = time.monotonic()
+            while sum(map(bool, map(declared.search, language.log))) == deaths:
+                assert time.monotonic() - cut_at < DETECTION_S + 2, "the one-way cut was not found"
+                time.sleep(0.2)
+            statuses = [future.result().status_code for future in answers]
+            elapsed = time.monotonic() - started
+    finally:
+        net.heal(sender)  # a failed test leaves no cut for the next
     assert statuses == [200] * 4, statuses
     assert elapsed < 240 + 3 * DETECTION_S, elapsed
-    net.heal(sender)
     assert_served_after_heal(a, language, fresh, before, time.monotonic() - cut_at, f"one-way-{tag}-after")
     all_blocks_back(a, b, language)
 

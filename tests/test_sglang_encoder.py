@@ -109,7 +109,7 @@ def test_the_encode_worker_runs_sglangs_encoder_for_the_checkpoint(workers) -> N
     assert "encoder=sglang:qwen3_vl" in encode.ready_line, encode.ready_line
     health = requests.get(f"{encode.url}/health", timeout=10).json()
     assert health["status"] == "ok" and health["preprocessing"], health
-    # the language server's model is built without the tower (sglang_ext.no_vision_tower); the
+    # the language server's model is built without the tower (sglang_ext.no_encoder_tower); the
     # greedy tests below pass through it
     assert [line for line in language.log if "Qwen3VLForConditionalGeneration built without its vision tower" in line]
     assert not [line for line in encode.log if "built without its vision tower" in line]

@@ -146,22 +146,34 @@ def test_two_images_in_one_prompt_equal_monolithic(workers, images, reference) -
 
 def test_every_choice_of_an_n_2_request_uses_the_embedding_from_the_connector(workers, images, reference) -> None:
     """``n=2``: SGLang makes a batch of the request; each choice's images come through the
-    connector (before, SGLang processed them itself, "falling back to local mm processing"), and
-    both greedy choices equal the reference."""
+    connector (before, SGLang processed them itself, "falling back to local mm processing"), both
+    greedy choices equal the reference, and each choice's ``meta_info`` (a fresh rid of SGLang's)
+    carries the transfer its images took, streamed or not."""
     _, language = workers
-    answer = generate(language, [images["other"]], "two-choices", sampling_params={
-        "max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "n": 2})
+    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "n": 2}
+    answer = generate(language, [images["other"]], "two-choices", sampling_params=params)
     assert answer.status_code == 200, answer.text
     choices = answer.json()
     assert len(choices) == 2, choices
     for choice in choices:
         assert greedy_mismatch(choice["output_ids"], reference([images["other"]])) is None
+        meta = choice["meta_info"]  # from the embedding cache or not (the image came before in this module)
+        assert meta["resume_rounds"] == 0 and {"transfer_ms", "encode_ms", "cached_images"} <= meta.keys(), meta
+    streamed = generate(language, [images["other"]], "two-choices-streamed", sampling_params=params, stream=True)
+    assert streamed.status_code == 200, streamed.text
+    last = {}
+    for line in streamed.text.splitlines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[len("data: "):])
+            last[chunk["index"]] = chunk["meta_info"]
+    assert sorted(last) == [0, 1] and all(meta["resume_rounds"] == 0 and "cached_images" in meta
+                                          for meta in last.values()), last
     assert not [line for line in language.log if "falling back to local mm processing" in line]
 
 
 def test_the_language_server_holds_no_vision_tower(workers) -> None:
     """Its model is built without the tower, whose weights are never loaded
-    (``sglang_ext.no_vision_tower``); every image test of this module passes through it."""
+    (``sglang_ext.no_encoder_tower``); every image test of this module passes through it."""
     _, language = workers
     dropped = [line for line in language.log if "built without its vision tower" in line]
     assert dropped and "Qwen2_5_VLForConditionalGeneration" in dropped[0], dropped

@@ -89,9 +89,14 @@ def generate(language: WorkerProcess, paths: list[str], rid: str) -> dict:
 
 
 def test_the_encode_worker_runs_sglangs_encoder_for_minimax(workers) -> None:
-    encode, _ = workers
+    encode, language = workers
     assert "encoder=sglang:minimax_m3_vl" in encode.ready_line, encode.ready_line
     assert requests.get(f"{encode.url}/health", timeout=10).json()["modalities"] == ["image"]
+    # the language server's model is built without the vision tower (its projector and merger in
+    # it), whose weights are never read (sglang_ext.no_encoder_tower); the greedy tests pass through it
+    dropped = [line for line in language.log if "built without its vision tower" in line]
+    assert dropped and "MiniMaxM3SparseForConditionalGeneration" in dropped[0], dropped
+    assert not [line for line in encode.log if "built without its" in line]
 
 
 @pytest.mark.parametrize("size", [*SIZES, "other"])

@@ -104,13 +104,16 @@ def parsed_without_plugin() -> dict[str, Parsed]:
     return parse_all({f"sglang-{mode}": sglang_mode_argv(mode) for mode in SGLANG_MODES}, plugins="none-at-all")
 
 
-def test_help_lists_our_modes_and_flags() -> None:
-    out = subprocess.run([*SGLANG_LAUNCH, "--help"], capture_output=True, text=True, timeout=120).stdout
+def test_help_lists_our_modes_and_flags_with_defaults_and_pool_bytes() -> None:
+    out = subprocess.run([*SGLANG_LAUNCH, "--help"], capture_output=True, text=True, timeout=120, check=True).stdout
     assert "--disaggregation-mode {null,prefill,decode,encode,language}" in out
+    assert "default 512 = 449 MiB at hidden 3584 bfloat16" in re.sub(r"\s+", " ", out)
     for flag in ("--embedding-cache-buffer-size", "--multimodal-block-size", "--checkpoint-dir",
                  "--queue-while-sleeping", "--resume-timeout", "--staging-bytes", "--queue-timeout",
                  "--max-queued-requests", "--allowed-local-media-path", "--allowed-media-domains",
-                 "--allow-private-media-urls", "--max-image-pixels", "--transfer-only"):
+                 "--allow-private-media-urls", "--max-image-pixels", "--transfer-only",
+                 "--disaggregation-bootstrap-port", "--disaggregation-transfer-backend", "--disaggregation-ib-device",
+                 "--model-path", "--tp-size", "SGLANG_EMBEDDING_DEFAULT_ALLOCATE_BUFFER_SIZE"):
         assert flag in out
 
 

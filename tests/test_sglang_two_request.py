@@ -96,6 +96,21 @@ def test_greedy_ids_equal_monolithic(workers, images, reference, sizes) -> None:
     assert meta["resume_rounds"] == (1 if sizes == ["1920x1080"] else 0), meta
 
 
+def test_every_choice_of_an_n_2_request_uses_the_room(workers, images, reference) -> None:
+    """``n=2`` in a two-request ``/generate``: the room is received once, and both greedy choices
+    equal the reference, each with the room's transfer (its sha256) in its ``meta_info``."""
+    encode, language = workers
+    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "n": 2}
+    generated, encoded = two_request(encode, language, [images["448x448"]], "two-choices", sampling_params=params)
+    assert generated.status_code == 200, generated.text
+    assert encoded.status_code == 200, encoded.text
+    choices = generated.json()
+    assert len(choices) == 2, choices
+    for choice in choices:
+        assert greedy_mismatch(choice["output_ids"], reference([images["448x448"]])) is None
+        assert choice["meta_info"]["sha256"] == encoded.json()["sha256"], choice["meta_info"]
+
+
 def test_a_request_with_images_needs_an_encoder_named_or_configured(workers, images) -> None:
     """Without ``--encoder-urls``, ``image_data`` has no encoder to go to (400, saying how to name
     one); half a bootstrap address, an encoder not allowed, or images sent both ways are 400/403

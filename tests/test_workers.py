@@ -21,7 +21,7 @@ import pytest
 import requests
 from PIL import Image
 from transfer_large_image import make_image, run_request
-from workers import SGLANG_LAUNCH, InProcessWorker, WorkerProcess, start_together
+from workers import InProcessWorker, WorkerProcess, start_together
 
 from connector.poll import KVPoll
 from connector.receiver import EmbeddingReceiver
@@ -416,16 +416,6 @@ def test_encoder_dying_mid_request_gives_a_5xx_naming_the_peer(images) -> None:
     finally:
         pair.encode.proc.wait()
         assert pair.language.stop() == 0
-
-
-def test_help_states_defaults_and_pool_bytes() -> None:
-    out = subprocess.run([*SGLANG_LAUNCH, "--help"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent, check=True).stdout
-    assert "--disaggregation-mode {null,prefill,decode,encode,language}" in out
-    assert "default 512 = 449 MiB at hidden 3584 bfloat16" in re.sub(r"\s+", " ", out)
-    for flag in ("--disaggregation-bootstrap-port", "--disaggregation-transfer-backend", "--disaggregation-ib-device",
-                 "--model-path", "--tp-size", "SGLANG_EMBEDDING_DEFAULT_ALLOCATE_BUFFER_SIZE"):
-        assert flag in out
 
 
 def test_the_readme_main_job_pushes_a_4k_image_through_a_resume_round(tmp_path: Path) -> None:
