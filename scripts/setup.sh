@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fresh-machine setup: Debian's libibverbs1 (Mooncake's TCP transport links it), iproute2 and
 # iptables (the tests' simulated hosts: scripts/hosts.py), then a virtual environment at .venv
-# with this package and its extras under the CPU pins.
+# with this package and its extras under the CPU pins, and AIPerf in .venv-aiperf.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,6 +11,12 @@ if ! ldconfig -p | grep -q 'libibverbs\.so\.1 ' || ! command -v ip >/dev/null ||
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 iproute2 iptables >/dev/null
 fi
+
+# AIPerf (NVIDIA's benchmark client; a test drives it as a user would) in an environment of its
+# own, since its pins (transformers, numpy) are not ours; installed beside the rest.
+( [ -x .venv-aiperf/bin/aiperf ] || { python3 -m venv .venv-aiperf \
+    && .venv-aiperf/bin/python -m pip install -q --disable-pip-version-check "aiperf==0.13.0"; } ) &
+AIPERF_INSTALL=$!
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints-cpu.txt \
@@ -32,4 +38,6 @@ else
 fi
 .venv/bin/python -c "import mooncake.engine, torch, transformers, connector, sglang.srt.plugins, torchvision, fastapi" \
     || { echo "setup failed: the environment does not import" >&2; exit 1; }
+wait "$AIPERF_INSTALL" && .venv-aiperf/bin/aiperf --version >/dev/null \
+    || { echo "setup failed: AIPerf did not install in .venv-aiperf" >&2; exit 1; }
 echo "setup done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

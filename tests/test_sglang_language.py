@@ -433,6 +433,26 @@ def test_sglangs_benchmark_client_gets_every_token(workers, folder, tmp_path) ->
         assert re.search(r"^Total generated tokens:\s+128\s*$", out, re.M), f"{backend}: {out[-3000:]}"
 
 
+def test_aiperf_gets_every_token_of_streamed_image_chats(workers, folder, tmp_path) -> None:
+    """NVIDIA's AIPerf, unmodified, as a user runs it (``scripts/setup.sh`` installs it in
+    ``.venv-aiperf``): OpenAI chats with one synthetic 640x480 PNG each, streamed, 3 at a time, 6
+    requests: every one completed without an error, each with its 8 tokens (counted by the
+    server; ``ignore_eos``)."""
+    _, language = workers
+    aiperf = Path(__file__).resolve().parent.parent / ".venv-aiperf" / "bin" / "aiperf"
+    out = subprocess.run(
+        [str(aiperf), "profile", "--model", "qwen", "--url", language.url, "--endpoint-type", "chat", "--streaming",
+         "--tokenizer", folder, "--image-width-mean", "640", "--image-height-mean", "480", "--image-batch-size", "1",
+         "--synthetic-input-tokens-mean", "32", "--output-tokens-mean", "8", "--extra-inputs", "ignore_eos:true",
+         "--use-server-token-count", "--concurrency", "3", "--request-count", "6", "--artifact-dir", str(tmp_path),
+         "--ui-type", "none"], capture_output=True, text=True, timeout=240)  # (HF_HUB_OFFLINE makes it refuse a path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((tmp_path / "profile_export_aiperf.json").read_text())
+    assert result["is_complete"] and result["error_summary"] == [], result["error_summary"]
+    assert result["request_count"]["avg"] == 6, result["request_count"]
+    assert result["output_sequence_length"]["min"] == result["output_sequence_length"]["max"] == 8
+
+
 def test_sleep_and_wake_keep_a_request_waiting_for_its_embedding(workers, images, reference) -> None:
     """``/sleep?preserve_state=true`` while a 4K image is at the encoder: SGLang pauses
     (retract), the connector keeps the room and releases its pool; after ``/wake_up`` the
