@@ -7,11 +7,14 @@ Both sign what they send and check what they receive when a shared secret is set
 from __future__ import annotations
 
 import collections
+import errno
 import logging
+import socket
 import threading
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from connector.auth import AuthError, sign, verify
 from connector.rejections import Rejections
@@ -24,14 +27,18 @@ _QUEUE_LIMIT = 100_000  # control messages queued for one peer (a few hundred by
 MAX_SOCKETS = 256
 # A connection is never dropped while it may still deliver: messages to one peer arrive in the
 # order they were sent, none lost, which the protocol leans on (an abort is handled before the
-# pong that follows it; a frozen peer reads, once it runs again, what was sent meanwhile). Over a
-# link cut for a while, what was sent waits for TCP's next retransmission once the link is back
-# (its back-off grows with the cut's length), and so does what is sent after it. An earlier
-# version dropped a connection whose bytes stayed unacknowledged for 5 s (ZMQ's TCP_MAXRT): the
-# wait after a long cut went, but the drop could come just after the link returned, with the
-# next request's init inside, and that request waited for the 300 s timeouts. A connect
-# unanswered this long is tried again, not left to the kernel's 2-minute SYN retries.
-CONNECT_MS = 1000
+# pong that follows it; a frozen peer reads, once it runs again, what was sent meanwhile). An
+# earlier version dropped a connection whose bytes stayed unacknowledged for 5 s (ZMQ's
+# TCP_MAXRT): the drop could come just after a cut link returned, with the next request's init
+# inside, and that request waited for the 300 s timeouts. So a connection outlives a partition
+# (MAXRT_MS, about what the kernel's default 15 retries give), and what was sent into the cut is
+# retransmitted at most RTO_MAX_MS apart (TCP_RTO_MAX_MS, Linux 6.15+; the kernel's own ceiling
+# is 120 s): once the link is back it goes within a second, and what was sent after it (the next
+# request's init) with it, instead of waiting for a back-off that grew with the cut's length.
+CONNECT_MS = 1000  # a connect unanswered this long is tried again (not the kernel's 2-minute SYN retries)
+MAXRT_MS = 900_000
+RTO_MAX_MS = 1000  # the kernel's floor for the option
+TCP_RTO_MAX_MS = 44  # <linux/tcp.h>; Python's socket module does not name it yet
 
 
 class PushSockets:
@@ -39,28 +46,38 @@ class PushSockets:
 
     Messages to one peer leave in the order they were sent. A send never blocks: a peer that
     has not taken ``_QUEUE_LIMIT`` messages is not reading, and the send raises ``zmq.Again``.
+    Each socket's TCP connections get their retransmissions capped (:data:`RTO_MAX_MS`): ZMQ
+    reports each new connection's descriptor on a monitor socket, read at the next send.
     """
 
     def __init__(self, context: zmq.Context, secret: bytes = b"") -> None:
         self._context, self._secret = context, secret
-        self._sockets: collections.OrderedDict[tuple[str, int], zmq.Socket] = collections.OrderedDict()
+        self._sockets: collections.OrderedDict[tuple[str, int], tuple[zmq.Socket, zmq.Socket]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def send(self, host: str, port: int, frames: list[bytes]) -> None:
         with self._lock:
-            sock = self._sockets.get((host, port))
-            if sock is None:
+            entry = self._sockets.get((host, port))
+            if entry is None:
                 if len(self._sockets) >= MAX_SOCKETS:  # peers named in messages are not all real
-                    self._sockets.popitem(last=False)[1].close(linger=0)
-                sock = self._context.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 1000)
-                sock.setsockopt(zmq.SNDHWM, _QUEUE_LIMIT)
-                sock.setsockopt(zmq.SNDTIMEO, 0)
-                sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_MS)
-                sock.connect(f"tcp://{_bracket(host)}:{port}")
-                self._sockets[(host, port)] = sock
+                    _close(*self._sockets.popitem(last=False)[1], linger=0)
+                entry = self._sockets[(host, port)] = self._connect(host, port)
             self._sockets.move_to_end((host, port))
+            sock, monitor = entry
+            while monitor.poll(0):
+                _cap_retransmissions(recv_monitor_message(monitor)["value"])
             sock.send_multipart(sign(frames, self._secret))
+
+    def _connect(self, host: str, port: int) -> tuple[zmq.Socket, zmq.Socket]:
+        sock = self._context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDHWM, _QUEUE_LIMIT)
+        sock.setsockopt(zmq.SNDTIMEO, 0)
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_MS)
+        sock.setsockopt(zmq.TCP_MAXRT, MAXRT_MS)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        sock.connect(f"tcp://{_bracket(host)}:{port}")
+        return sock, monitor
 
     def try_send(self, host: str, port: int, frames: list[bytes]) -> bool:
         """:meth:`send`, logging instead of raising when the peer cannot take the message (its
@@ -76,15 +93,46 @@ class PushSockets:
         """Close the socket to ``host:port``, discarding what it still holds; the next send
         connects anew."""
         with self._lock:
-            sock = self._sockets.pop((host, port), None)
-            if sock is not None:
-                sock.close(linger=0)
+            entry = self._sockets.pop((host, port), None)
+            if entry is not None:
+                _close(*entry, linger=0)
 
     def close(self) -> None:
         with self._lock:
-            for sock in self._sockets.values():
-                sock.close()
+            for entry in self._sockets.values():
+                _close(*entry)
             self._sockets.clear()
+
+
+def _close(sock: zmq.Socket, monitor: zmq.Socket, linger: int | None = None) -> None:
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=linger)
+
+
+_rto_cap_unsupported = False
+
+
+def _cap_retransmissions(fd: int) -> None:
+    """Set TCP_RTO_MAX_MS on the connection ZMQ opened as ``fd``. The descriptor may be closed (or
+    even reused) by the time its event is read: a failure leaves that connection uncapped."""
+    global _rto_cap_unsupported
+    if _rto_cap_unsupported:
+        return
+    try:
+        conn = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        if conn.type == socket.SOCK_STREAM and conn.family in (socket.AF_INET, socket.AF_INET6):
+            conn.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, RTO_MAX_MS)
+    except OSError as exc:
+        if exc.errno == errno.ENOPROTOOPT:
+            _rto_cap_unsupported = True
+            log.info("this kernel has no TCP_RTO_MAX_MS (Linux 6.15+): after a partition, control messages "
+                     "wait for TCP's retransmission back-off")
+    finally:
+        conn.detach()  # ZMQ's descriptor: never closed here
 
 
 class PullLoop:
