@@ -77,15 +77,42 @@ class SerialLock:
                 fcntl.flock(main, fcntl.LOCK_UN)
 
 
+def _serial(item: pytest.Item | None) -> bool:
+    return item is not None and any(item.get_closest_marker(name) for name in SERIAL_MARKERS)
+
+
+class ExclusiveRun:
+    """The exclusive hold a serial test's call takes, kept while the tests after it in its module
+    are serial too: a run of them waits for the other worker once, not once each."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self.held = False
+
+    def take(self, lock: SerialLock) -> None:
+        self._stack.enter_context(lock.hold(exclusive=True))
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+        self._stack.close()
+
+
+EXCLUSIVE = ExclusiveRun()
+
+
 def _phase(item: pytest.Item, serial_phase: bool):  # noqa: ANN202
-    """Under xdist, the lock for one phase of ``item``: exclusive for a serial test's call (what
-    it times runs alone), shared otherwise. A serial module's set-up (its workers started) and
-    tear-down share the machine: nothing is timed there."""
+    """Under xdist, the lock for one phase of ``item``: exclusive from a serial test's call (what
+    it times runs alone; see :class:`ExclusiveRun`), shared otherwise. A serial module's set-up
+    (its workers started) and tear-down share the machine: nothing is timed there."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
+    if run is None or EXCLUSIVE.held:
         return contextlib.nullcontext()
-    exclusive = serial_phase and any(item.get_closest_marker(name) for name in SERIAL_MARKERS)
-    return SerialLock(Path(tempfile.gettempdir()) / f"epd-tests-{run}").hold(exclusive)
+    lock = SerialLock(Path(tempfile.gettempdir()) / f"epd-tests-{run}")
+    if serial_phase and _serial(item):
+        EXCLUSIVE.take(lock)  # released at a teardown (below)
+        return contextlib.nullcontext()
+    return lock.hold(exclusive=False)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -101,7 +128,9 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if EXCLUSIVE.held and not (_serial(nextitem) and nextitem.module is item.module):
+        EXCLUSIVE.release()
     with _phase(item, serial_phase=False):
         yield
 
