@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fresh-machine setup: Debian's libibverbs1 (Mooncake's TCP transport links it), iproute2 and
 # iptables (the tests' simulated hosts: scripts/hosts.py), then a virtual environment at .venv
-# with this package and its extras under the CPU pins, and AIPerf in .venv-aiperf.
+# with this package and its extras under the CPU pins, AIPerf in .venv-aiperf and GuideLLM in
+# .venv-guidellm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,11 @@ fi
 ( [ -x .venv-aiperf/bin/aiperf ] || { python3 -m venv .venv-aiperf \
     && .venv-aiperf/bin/python -m pip install -q --disable-pip-version-check "aiperf==0.13.0"; } ) &
 AIPERF_INSTALL=$!
+# GuideLLM likewise (its data loader needs torch: the CPU wheel, pinned as ours is).
+( [ -x .venv-guidellm/bin/guidellm ] || { python3 -m venv .venv-guidellm \
+    && .venv-guidellm/bin/python -m pip install -q --disable-pip-version-check "guidellm[vision]==0.8.1" \
+        "torch==2.13.0"; } ) &
+GUIDELLM_INSTALL=$!
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints-cpu.txt \
@@ -40,4 +46,6 @@ fi
     || { echo "setup failed: the environment does not import" >&2; exit 1; }
 wait "$AIPERF_INSTALL" && .venv-aiperf/bin/aiperf --version >/dev/null \
     || { echo "setup failed: AIPerf did not install in .venv-aiperf" >&2; exit 1; }
+wait "$GUIDELLM_INSTALL" && .venv-guidellm/bin/guidellm --help >/dev/null \
+    || { echo "setup failed: GuideLLM did not install in .venv-guidellm" >&2; exit 1; }
 echo "setup done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

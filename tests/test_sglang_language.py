@@ -453,6 +453,40 @@ def test_aiperf_gets_every_token_of_streamed_image_chats(workers, folder, tmp_pa
     assert result["output_sequence_length"]["min"] == result["output_sequence_length"]["max"] == 8
 
 
+def test_guidellm_gets_every_token_of_streamed_image_chats(workers, tmp_path) -> None:
+    """GuideLLM, unmodified, as a user runs it (``scripts/setup.sh`` installs it in
+    ``.venv-guidellm``): OpenAI chats from a local JSONL file, one 640x480 image each (GuideLLM
+    sends it as a JPEG data URL), streamed, 3 at a time, 6 requests of 8 tokens each (its
+    ``output_tokens_count`` column: ``max_completion_tokens`` and ``ignore_eos``): every one
+    succeeded, none errored, each with its 8 tokens and its image's tokens as the server counted
+    them."""
+    _, language = workers
+    rows = []
+    for i in range(6):
+        make_image(640, 480, seed=700 + i).save(tmp_path / f"{i}.png")
+        rows.append(json.dumps({"prompt": f"Describe picture {i}.", "image": str(tmp_path / f"{i}.png"),
+                                "output_tokens_count": 8}))
+    (tmp_path / "chats.jsonl").write_text("\n".join(rows) + "\n")
+    guidellm = Path(__file__).resolve().parent.parent / ".venv-guidellm" / "bin" / "guidellm"
+    out = subprocess.run(
+        [str(guidellm), "run", "--backend", f"kind=openai_http,target={language.url},model=qwen",
+         "--data", f"kind=json_file,path={tmp_path / 'chats.jsonl'}", "--profile", "kind=concurrent,streams=3",
+         "--constraint", "kind=max_requests,count=6", "--output", f"kind=json,path={tmp_path / 'report.json'}",
+         "--disable-console-interactive"], capture_output=True, text=True, timeout=240, cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    benchmark = json.loads((tmp_path / "report.json").read_text())["benchmarks"][0]
+    totals = benchmark["metrics"]["request_totals"]
+    assert (totals["successful"], totals["errored"], totals["incomplete"]) == (6, 0, 0), (
+        totals, [r.get("info") for r in benchmark["requests"]["errored"]][:2])
+    done = benchmark["requests"]["successful"]
+    assert [r["output_tokens"] for r in done] == [8] * 6
+    # Each carried its image: 640x480 pixels sent, and the server counted its few hundred tokens
+    # besides the few of the text.
+    assert all(r["input_metrics"]["image_pixels"] == 640 * 480 and r["prompt_tokens"] > 300 for r in done), [
+        (r["input_metrics"]["image_pixels"], r["prompt_tokens"]) for r in done]
+
+
 def test_sleep_and_wake_keep_a_request_waiting_for_its_embedding(workers, images, reference) -> None:
     """``/sleep?preserve_state=true`` while a 4K image is at the encoder: SGLang pauses
     (retract), the connector keeps the room and releases its pool; after ``/wake_up`` the
