@@ -389,12 +389,13 @@ def chat(language: WorkerProcess, path: str, rid: str, ignore_eos: bool = True) 
 
 def test_a_link_cut_mid_transfer_under_16_clients_then_healed(net, cluster, fresh, before) -> None:
     """The link between encoder host a and the language host goes down while 16 clients'
-    images are being encoded and sent: every client is answered, by encoder b, within the
+    images (two of them 4K) are being encoded and sent: every client is answered, by encoder b, within the
     documented bound; once the link is back every block on both sides is free, a serves again,
     and its first request takes at most twice what one took before the cut (no message queued
     for the cut-off peer holds it up)."""
     a, b, language = cluster["encoder"], cluster["encoder2"], cluster["language"]
-    clients = [fresh(*((1920, 1080) if i % 2 else (448, 448))) for i in range(16)]
+    sizes = {1: (3840, 2160), 9: (3840, 2160)}  # two 4K images (a resume round each), six 1080p, eight small
+    clients = [fresh(*sizes.get(i, (1920, 1080) if i % 2 else (448, 448))) for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
         started = time.monotonic()
         answers = [pool.submit(chat, language, image, f"cut-{i}") for i, image in enumerate(clients)]
