@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import resource
 import socket
 import threading
 from collections.abc import Callable
@@ -22,9 +23,12 @@ from connector.rejections import Rejections
 log = logging.getLogger(__name__)
 
 _QUEUE_LIMIT = 100_000  # control messages queued for one peer (a few hundred bytes each)
-# Peers with an open PUSH socket; beyond it the least recently used one is closed. Well below a
-# ZMQ context's 1023 sockets: a flood of messages naming made-up reply addresses cannot use them up.
+# Peers with an open PUSH socket; beyond it the least recently used one is closed, so a flood of
+# messages naming made-up reply addresses cannot use up a ZMQ context's 1023 sockets (each peer
+# takes three: the PUSH and its monitor's two ends) nor the process's open files (four each: the
+# three sockets' mailboxes and the connection), of which the peers get half at most.
 MAX_SOCKETS = 256
+FILES_PER_PEER = 4
 # A connection is never dropped while it may still deliver: messages to one peer arrive in the
 # order they were sent, none lost, which the protocol leans on (an abort is handled before the
 # pong that follows it; a frozen peer reads, once it runs again, what was sent meanwhile). An
@@ -52,6 +56,9 @@ class PushSockets:
 
     def __init__(self, context: zmq.Context, secret: bytes = b"") -> None:
         self._context, self._secret = context, secret
+        open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_sockets = (MAX_SOCKETS if open_files == resource.RLIM_INFINITY
+                            else max(1, min(MAX_SOCKETS, open_files // 2 // FILES_PER_PEER)))
         self._sockets: collections.OrderedDict[tuple[str, int], tuple[zmq.Socket, zmq.Socket]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -59,7 +66,7 @@ class PushSockets:
         with self._lock:
             entry = self._sockets.get((host, port))
             if entry is None:
-                if len(self._sockets) >= MAX_SOCKETS:  # peers named in messages are not all real
+                if len(self._sockets) >= self.max_sockets:  # peers named in messages are not all real
                     _close(*self._sockets.popitem(last=False)[1], linger=0)
                 entry = self._sockets[(host, port)] = self._connect(host, port)
             self._sockets.move_to_end((host, port))

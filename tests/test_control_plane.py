@@ -4,6 +4,8 @@ registration, the shared secret, and how rejected messages are counted and logge
 from __future__ import annotations
 
 import logging
+import os
+import resource
 import threading
 import time
 
@@ -19,7 +21,7 @@ from connector.messages import AbortMsg, InitMsg, RegisterMsg, ResumeMsg, Status
 from connector.poll import KVPoll
 from connector.receiver import receive_embedding
 from connector.rejections import Rejections
-from connector.zmq_link import MAX_SOCKETS, PushSockets
+from connector.zmq_link import FILES_PER_PEER, MAX_SOCKETS, PushSockets
 
 pytestmark = pytest.mark.transports("mooncake", "memory")
 
@@ -304,13 +306,22 @@ def test_the_mac_check_refuses_what_it_cannot_verify_without_raising() -> None:
 
 
 @pytest.mark.fast
-def test_push_sockets_stay_under_the_zmq_limit_whatever_addresses_messages_name() -> None:
+@pytest.mark.parametrize("open_files", [None, 512])
+def test_push_sockets_stay_under_the_zmq_and_open_files_limits_whatever_addresses_messages_name(open_files) -> None:
+    """A flood of messages naming made-up peers: at most ``max_sockets`` PUSH sockets at once (the
+    least recently used closed), sized from the open-files limit (this process's, or 512)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_files or soft, hard))
     ctx = zmq.Context()
-    push = PushSockets(ctx)
     try:
+        push = PushSockets(ctx)
         for port in range(20_000, 20_000 + 3 * MAX_SOCKETS):  # nobody listens: the sends just queue
             push.send("127.0.0.1", port, [b"x"])
-        assert len(push._sockets) == MAX_SOCKETS < ctx.get(zmq.MAX_SOCKETS)
-    finally:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert len(push._sockets) == push.max_sockets == min(MAX_SOCKETS, limit // 2 // FILES_PER_PEER)
+        assert 3 * push.max_sockets < ctx.get(zmq.MAX_SOCKETS)  # each: the PUSH and its monitor's two ends
+        assert len(os.listdir("/proc/self/fd")) < limit
         push.close()
+    finally:
         ctx.term()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
