@@ -6,7 +6,8 @@ honest about being alive:
 
 * every ``interval`` each session with live rooms gets a ``PING``; a session that leaves
   ``max_misses`` pings in a row unanswered is declared dead (its rooms fail, so their
-  encodes end and their blocks come back);
+  encodes end and their blocks come back), and nothing is written to it until it answers a
+  ping again;
 * writes to a session start only while it is *confirmed*: after this process stopped running
   for a while (SIGSTOP, a frozen VM, a long stall), the language side may have given up on
   us and freed the blocks we were about to write. So after a stall no write starts until the
@@ -151,6 +152,10 @@ class Registration:
     confirmed_epoch: int = -1
     pings: dict[int, int] = field(default_factory=dict)  # unanswered ping seq -> stall epoch when sent
     misses: int = 0  # heartbeat intervals in a row that ended with a ping unanswered
+    # Declared dead by the heartbeats: nothing is written to it until it answers a ping again (a
+    # write into a cut link makes Mooncake connect into it, and that connect, in TCP's SYN
+    # back-off, holds up the peer's next writes for up to the cut's length after it heals).
+    silent: bool = False
 
     @property
     def proven(self) -> bool:
@@ -264,7 +269,7 @@ class LanguagePeers:
         reg = self._regs.get(key)
         if reg is None or not self.speaks_ours(key):
             return True  # fork peers are never pinged; an unknown registration fails in the write, by name
-        return not reg.claims and reg.confirmed_epoch == self.stall.epoch()
+        return not reg.claims and not reg.silent and reg.confirmed_epoch == self.stall.epoch()
 
     def confirm(self, key: PeerKey) -> None:
         """Ping ``key`` unless it may be written now or a ping of it is out in this epoch (its
@@ -307,7 +312,7 @@ class LanguagePeers:
         for k, _ in dropped:
             del self._regs[k]
         reg.pings = {seq: e for seq, e in reg.pings.items() if seq > msg.seq}  # older ones are answered too
-        reg.misses = 0
+        reg.misses, reg.silent = 0, False
         return PongOutcome(self.writable(key), dropped, key, reg.order, refused)
 
     def beat(self, live: set[PeerKey]) -> list[tuple[PeerKey, str]]:
@@ -324,7 +329,7 @@ class LanguagePeers:
                 reg.misses += 1
             if reg.misses >= self.max_misses:
                 why = f"{reg.misses} pings in a row unanswered ({self.interval:g}s apart)"
-                reg.misses, reg.pings = 0, {}
+                reg.misses, reg.pings, reg.silent = 0, {}, True
                 if key in live:
                     dead.append((key, why))
                 if reg.claims:

@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from connector.transport import TransferError, Transport
@@ -47,8 +48,26 @@ _FIRST_RATE_BYTES_PER_S = 5e9
 _RATE_SAMPLE_MIN_BYTES = 4 << 20  # smaller writes are dominated by fixed costs
 _RATE_WEIGHT = 0.3  # of the newest sample in the moving average
 _RATE_FLOOR = 0.5e9  # a burst of slow writes must not make the next one sleep long past its end
+# Linux 6.15+: the ceiling of every TCP connection's retransmission back-off in this network
+# namespace, Mooncake's own connections included (no option of ours reaches those).
+_RTO_MAX_SYSCTL = Path("/proc/sys/net/ipv4/tcp_rto_max_ms")
+RECOMMENDED_RTO_MAX_MS = 1000
 # transfer_submit_write's failure value: 0 up to 0.3.13, (batch_id_t)-1 in later releases.
 _SUBMIT_FAILED = (0, 2**64 - 1)
+
+
+def note_rto_max(sysctl: Path = _RTO_MAX_SYSCTL) -> None:
+    """Log, once at start, a back-off ceiling above the recommended one: after a partition a
+    connect Mooncake made into the cut link holds up the peer's writes for up to it
+    (docs/failure_bounds.md, "Partitions")."""
+    try:
+        ceiling_ms = int(sysctl.read_text())
+    except (OSError, ValueError):  # an older kernel: it has no ceiling to set
+        return
+    if ceiling_ms > RECOMMENDED_RTO_MAX_MS:
+        log.info("net.ipv4.tcp_rto_max_ms is %d: after a network partition, Mooncake's connections made into it "
+                 "back off up to %.0f s; %d is recommended on hosts whose links can be cut", ceiling_ms,
+                 ceiling_ms / 1000, RECOMMENDED_RTO_MAX_MS)
 
 
 class MooncakeTransport(Transport):
@@ -75,6 +94,8 @@ class MooncakeTransport(Transport):
         if rc != 0:
             raise RuntimeError(f"Mooncake initialize({hostname!r}, protocol={protocol!r}, device={device!r}) returned {rc}")
         self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
+        if protocol == "tcp":
+            note_rto_max()
         self.completion = completion
         self._rate = _FIRST_RATE_BYTES_PER_S  # bytes/s the link gave recent large writes (moving average)
         # Mooncake's own timeouts settle every TCP write well within this plus its size at

@@ -540,6 +540,12 @@ class EmbeddingSenderManager:
         if isinstance(msg, AbortMsg):
             if r is None:  # aborted before this worker heard of the room: its encode request will fail
                 r = self._new_room(msg.room)
+            elif not r.live and r.state.status == KVPoll.Success:
+                # Its last round landed and its /encode answered 200 while the abort was on its
+                # way (the language side stopping, or its client gone): say so, nothing to undo.
+                self.stats["aborted_after_delivery"] += 1
+                log.info("room %d: aborted by language peer %s:%d after its embedding was delivered", msg.room,
+                         msg.endpoint, msg.dst_port)
             self._dispatch(r, ev.Abort(msg))
         elif r is None:
             self._send_ack(msg.endpoint, msg.dst_port, SuspendAckMsg(msg.room, msg.generation))
@@ -644,7 +650,9 @@ class EmbeddingSenderManager:
                     self.transport.write(d.session_id, plan.src_addrs, plan.dst_addrs, plan.lengths)
                     break
                 except TransferError as exc:
-                    if attempt == WRITE_ATTEMPTS or self._stop.is_set() or self.peers.get(d.peer) is None:
+                    with self._lock:  # not again into a peer gone or declared dead meanwhile
+                        writable = self.peers.get(d.peer) is not None and self.peers.writable(d.peer)
+                    if attempt == WRITE_ATTEMPTS or self._stop.is_set() or not writable:
                         return f"transfer to language peer {d.endpoint}:{d.port} failed: {exc}"
                     log.warning("write to language peer %s:%d failed (%s); writing it once more", d.endpoint, d.port,
                                 exc)

@@ -89,6 +89,17 @@ def test_abort_mid_round_keeps_blocks_until_the_ack_and_late_writes_cannot_corru
     emb.release()
 
 
+def test_an_abort_crossing_the_last_status_changes_nothing_and_is_counted(make_peer, make_language) -> None:
+    """The language side gives up a room whose last round had landed (the abort left as the
+    room's last status was on its way: a worker stopping, a client gone): the encoder keeps the
+    delivered room as it was (its ``/encode`` had answered 200) and counts the crossing."""
+    peer, lang = make_peer(), make_language()
+    transfer(lang, peer, 7, 9000)
+    lang.manager.abandon(peer.bootstrap_addr, 7)
+    wait_for(lambda: peer.call("stats")["counters"].get("aborted_after_delivery") == 1, 10, "the crossing counted")
+    assert peer.call("status", room=7)["status"] == "Success"
+
+
 @pytest.mark.serial
 @pytest.mark.parametrize("fork_register", [False, True])
 def test_block_size_mismatch_fails_fast_with_a_reason(make_peer, make_language, monkeypatch, fork_register) -> None:

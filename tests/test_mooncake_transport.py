@@ -4,6 +4,7 @@ status or submit answer scripted where Mooncake cannot be made to give it on dem
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from connector import mooncake_transport
 from connector.mooncake_transport import MooncakeTransport
 from connector.transport import TransferError
 
@@ -99,3 +101,18 @@ def test_close_waits_for_the_write_under_way_and_then_refuses_new_ones(link) -> 
     assert hashlib.sha256(dst).digest() == hashlib.sha256(src).digest()
     with pytest.raises(TransferError, match="closed"):
         write(src_side, dst_side, src, dst)
+
+
+@pytest.mark.parametrize("ceiling, logged", [("120000\n", True), ("1000\n", False), (None, False)])
+def test_a_back_off_ceiling_above_a_second_is_logged_once_at_start(tmp_path, caplog, ceiling, logged: bool) -> None:
+    """The host's ``net.ipv4.tcp_rto_max_ms`` (absent before Linux 6.15): above 1 s the worker
+    says, at start, what it costs after a partition."""
+    sysctl = tmp_path / "tcp_rto_max_ms"
+    if ceiling is not None:
+        sysctl.write_text(ceiling)
+    with caplog.at_level(logging.INFO, logger="connector.mooncake_transport"):
+        mooncake_transport.note_rto_max(sysctl)
+    notes = [r.getMessage() for r in caplog.records if "tcp_rto_max_ms" in r.getMessage()]
+    assert notes == (["net.ipv4.tcp_rto_max_ms is 120000: after a network partition, Mooncake's connections made "
+                      "into it back off up to 120 s; 1000 is recommended on hosts whose links can be cut"]
+                     if logged else [])

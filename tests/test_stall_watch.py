@@ -59,3 +59,27 @@ def test_a_ping_sent_while_a_stall_is_being_counted_still_lets_writes_start(monk
         peers.close()
         push.close()
         context.term()
+
+
+def test_a_session_declared_dead_is_written_again_only_once_it_answers() -> None:
+    """Two heartbeats without an answer (a cut link): the session's rooms fail and nothing more
+    is written to it, not even a write that was confirmed before; its answer to the next ping
+    (the link back) lets writes start again."""
+    context = zmq.Context()
+    push = PushSockets(context)
+    peers = LanguagePeers(push, "127.0.0.1", 1, interval=0.5, max_misses=2)
+    try:
+        assert peers.register(RegisterMsg("127.0.0.1", 1, SESSION, (1, 2, 3, 4), 1, 64, (1, 1, 1, 1)), "", set) == ""
+        assert not peers.may_write(KEY)
+        _answer_pings(peers)
+        assert peers.writable(KEY)
+        assert peers.beat({KEY}) == []  # a ping out, nothing missed yet
+        assert peers.beat({KEY}) == []  # one interval ended with it unanswered
+        assert [key for key, _ in peers.beat({KEY})] == [KEY]  # two: declared dead
+        assert not peers.writable(KEY)
+        assert not peers.may_write(KEY)  # asks again
+        _answer_pings(peers)
+        assert peers.writable(KEY)
+    finally:
+        peers.close()
+        push.close()
