@@ -42,17 +42,49 @@ class ScriptedEngine:
         return self._engine.transfer_submit_write(*args) if self._submit is None else self._submit
 
 
-@pytest.fixture
-def link(monkeypatch) -> Iterator[tuple[MooncakeTransport, MooncakeTransport, np.ndarray, np.ndarray]]:
-    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "1")  # the sender gives up on a write after 1 s + its size at 50 MB/s
-    src_side, dst_side = MooncakeTransport(), MooncakeTransport()
+Link = tuple[MooncakeTransport, MooncakeTransport, np.ndarray, np.ndarray]
+
+
+def _open_link() -> Link:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MC_TRANSFER_TIMEOUT", "1")  # the sender gives up on a write after 1 s + its size at 50 MB/s
+        src_side, dst_side = MooncakeTransport(), MooncakeTransport()
     src = np.random.default_rng(0).integers(0, 256, NBYTES, dtype=np.uint8)
     dst = np.zeros(NBYTES, np.uint8)
     src_side.register([(src.ctypes.data, src.nbytes)])
     dst_side.register([(dst.ctypes.data, dst.nbytes)])
-    yield src_side, dst_side, src, dst
-    src_side.close()
-    dst_side.close()
+    return src_side, dst_side, src, dst
+
+
+def _close_link(opened: Link) -> None:
+    opened[0].close()
+    opened[1].close()
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[Link]:
+    """One pair of engines for the module's tests (each release takes Mooncake up to a second)."""
+    opened = _open_link()
+    yield opened
+    _close_link(opened)
+
+
+@pytest.fixture
+def link(engines: Link) -> Iterator[Link]:
+    """The module's engines, the sender's answers scripted by the test and put back after it."""
+    src_side, _, _, dst = engines
+    engine = src_side._engine
+    dst[:] = 0
+    yield engines
+    src_side._engine = engine
+
+
+@pytest.fixture
+def own_link() -> Iterator[Link]:
+    """Engines of the test's own (it closes one)."""
+    opened = _open_link()
+    yield opened
+    _close_link(opened)
 
 
 def write(side: MooncakeTransport, peer: MooncakeTransport, src: np.ndarray, dst: np.ndarray) -> None:
@@ -84,8 +116,8 @@ def test_a_refused_submit_is_a_transfer_error(link, refusal: int) -> None:
         write(src_side, dst_side, src, dst)
 
 
-def test_close_waits_for_the_write_under_way_and_then_refuses_new_ones(link) -> None:
-    src_side, dst_side, src, dst = link
+def test_close_waits_for_the_write_under_way_and_then_refuses_new_ones(own_link) -> None:
+    src_side, dst_side, src, dst = own_link
     engine = src_side._engine = ScriptedEngine(src_side._engine, hold=threading.Event())
     writer = threading.Thread(target=write, args=(src_side, dst_side, src, dst))
     writer.start()
