@@ -104,12 +104,13 @@ class Network:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def cut(self, a: Host, b: Host, one_way: bool = False) -> None:
-        """Drop every packet from ``a`` to ``b`` and (unless ``one_way``) from ``b`` to ``a``;
-        their links to everyone else stay up."""
-        _in(a.netns, "iptables", "-I", "OUTPUT", "-d", b.address, "-j", "DROP")
+    def cut(self, a: Host, b: Host | None, one_way: bool = False) -> None:
+        """Drop every packet from ``a`` to ``b`` (None: the client host) and (unless ``one_way``)
+        from ``b`` to ``a``; their links to everyone else stay up."""
+        address = self.client_address if b is None else b.address
+        _in(a.netns, "iptables", "-I", "OUTPUT", "-d", address, "-j", "DROP")
         if not one_way:
-            _in(a.netns, "iptables", "-I", "INPUT", "-s", b.address, "-j", "DROP")
+            _in(a.netns, "iptables", "-I", "INPUT", "-s", address, "-j", "DROP")
 
     def delay(self, a: Host, b: Host | None, ms: float) -> None:
         """Every packet between ``a`` and ``b`` (None: the client host) ``ms`` late, each way: their
