@@ -82,8 +82,16 @@ class PushSockets:
         sock.setsockopt(zmq.SNDTIMEO, 0)
         sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_MS)
         sock.setsockopt(zmq.TCP_MAXRT, MAXRT_MS)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
-        sock.connect(f"tcp://{_bracket(host)}:{port}")
+        try:
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        except zmq.ZMQError:  # out of files: the socket must not outlive this (a context waits for it)
+            sock.close(linger=0)
+            raise
+        try:
+            sock.connect(f"tcp://{_bracket(host)}:{port}")
+        except zmq.ZMQError:
+            _close(sock, monitor, linger=0)
+            raise
         return sock, monitor
 
     def try_send(self, host: str, port: int, frames: list[bytes]) -> bool:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 PREFIX = "epdh"  # every namespace, bridge and veth this module makes starts with it
 LINK_DELAY = Path(__file__).resolve().parent / "link_delay.py"
+RTO_MAX_SYSCTL = Path("/proc/sys/net/ipv4/tcp_rto_max_ms")
 
 
 def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -67,7 +68,9 @@ class Host:
 class Network:
     """Hosts named ``names`` on one bridge of a /24 of their own (see the module docstring)."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], rto_max_ms: int | None = None) -> None:
+        """``rto_max_ms``: each host's ``net.ipv4.tcp_rto_max_ms`` (Linux 6.15+; None, or a kernel
+        without it: the kernel's default, 120 s), the ceiling of its TCP retransmission back-off."""
         if missing := missing_tools():
             raise RuntimeError(f"simulated hosts need {', '.join(missing)}")
         reap_leftovers()
@@ -91,6 +94,8 @@ class Network:
                 _ip("link", "set", host.port, "master", self.bridge, "up")
                 _ip("addr", "add", f"{host.address}/24", "dev", host.veth, netns=host.netns)
                 _ip("link", "set", host.veth, "up", netns=host.netns)
+                if rto_max_ms is not None and RTO_MAX_SYSCTL.exists():
+                    _in(host.netns, "sysctl", "-q", f"net.ipv4.tcp_rto_max_ms={rto_max_ms}")
         except BaseException:
             self.close()
             raise

@@ -82,12 +82,8 @@ def main() -> None:
     from hosts import Network
 
     me = [sys.executable, str(Path(__file__).resolve())]
-    with Network(["sender", "receiver"]) as net:
+    with Network(["sender", "receiver"], rto_max_ms=args.rto_max_ms or None) as net:
         send_host, recv_host = net["sender"], net["receiver"]
-        if args.rto_max_ms:
-            for host in (send_host, recv_host):
-                subprocess.run([*host.exec_prefix(), "sysctl", "-q", f"net.ipv4.tcp_rto_max_ms={args.rto_max_ms}"],
-                               check=True)
         recv = subprocess.Popen([*recv_host.exec_prefix(), *me, "--receiver", recv_host.address],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         info = json.loads(recv.stdout.readline())
