@@ -446,6 +446,7 @@ def assert_served_after_heal(a: WorkerProcess, language: WorkerProcess, fresh, b
     wait_in_rotation(language)
     after = two_request(a, language, fresh(1920, 1080), rid)
     bound = 2 * before + 1 + MOONCAKE_STATUS_S
+    print(f"\n{rid}: {after:.2f} s after a {cut_s:.1f} s cut (before: {before:.2f} s, bound {bound:.1f} s)")
     assert after <= bound, f"after a {cut_s:.1f} s cut: {after:.1f} s (before: {before:.1f} s, bound {bound:.1f} s)"
 
 
