@@ -317,8 +317,8 @@ class LanguagePeers:
 
     def beat(self, live: set[PeerKey]) -> list[tuple[PeerKey, str]]:
         """One heartbeat interval: count misses, ping again; returns ``(key, why)`` of the
-        registrations with live rooms that are now dead (forget nothing: a late answer brings one
-        back). A registration with open claims whose endpoint stays silent keeps its newest claim."""
+        registrations with live rooms that are now dead (forget nothing: an answer to a later ping
+        brings one back). A registration with open claims whose endpoint stays silent keeps its newest claim."""
         dead = []
         epoch = self.stall.epoch()
         for key in live | {k for k, r in self._regs.items() if r.claims}:

@@ -57,7 +57,7 @@ _SUBMIT_FAILED = (0, 2**64 - 1)
 
 
 def note_rto_max(sysctl: Path = _RTO_MAX_SYSCTL) -> None:
-    """Log, once at start, a back-off ceiling above the recommended one: after a partition a
+    """Log, as a transport starts (one per worker), a back-off ceiling above the recommended one: after a partition a
     connect Mooncake made into the cut link holds up the peer's writes for up to it
     (docs/failure_bounds.md, "Partitions")."""
     try:

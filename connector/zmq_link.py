@@ -77,12 +77,12 @@ class PushSockets:
 
     def _connect(self, host: str, port: int) -> tuple[zmq.Socket, zmq.Socket]:
         sock = self._context.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.SNDHWM, _QUEUE_LIMIT)
-        sock.setsockopt(zmq.SNDTIMEO, 0)
-        sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_MS)
-        sock.setsockopt(zmq.TCP_MAXRT, MAXRT_MS)
         try:
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, _QUEUE_LIMIT)
+            sock.setsockopt(zmq.SNDTIMEO, 0)
+            sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_MS)
+            sock.setsockopt(zmq.TCP_MAXRT, MAXRT_MS)
             monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         except zmq.ZMQError:  # out of files: the socket must not outlive this (a context waits for it)
             sock.close(linger=0)

@@ -116,8 +116,8 @@ def test_sigterm_under_load_ends_every_request_and_frees_the_ports(paths, side: 
             # A room whose last round landed as the signal came: the encoder's 200 is true, and
             # either the language side's 503 says the embedding had arrived, or its abort reached
             # the encoder after the room had ended there (the status and the abort crossed).
-            delivered = side == "language" and ("its embedding had arrived" in error
-                                                or aborted_after_delivery(pair.encode, r["room"]))
+            delivered = r[f"{other}_status"] == 200 and side == "language" and (
+                "its embedding had arrived" in error or aborted_after_delivery(pair.encode, r["room"]))
             assert r[f"{other}_status"] != 200 or delivered, f"the {other} side finished a room the other gave up: {r}"
             assert r[f"{other}_done_at"] - signalled < 6, r
         assert idle_result.status_code == 503 and idle_result.headers["Retry-After"] == "5"

@@ -78,8 +78,13 @@ def test_a_session_declared_dead_is_written_again_only_once_it_answers() -> None
         assert [key for key, _ in peers.beat({KEY})] == [KEY]  # two: declared dead
         assert not peers.writable(KEY)
         assert not peers.may_write(KEY)  # asks again
-        _answer_pings(peers)
-        assert peers.writable(KEY)
+        confirmed = False
+        for _ in range(5):  # as many rounds as a stall of this busy machine (the watch's) takes
+            _answer_pings(peers)
+            if confirmed := peers.may_write(KEY):
+                break
+        assert confirmed, f"answered pings never make the session writable again: {peers._regs[KEY]}"
     finally:
         peers.close()
         push.close()
+        context.term()
