@@ -25,6 +25,16 @@ def _answer_pings(peers: LanguagePeers) -> None:
         peers.on_pong(PongMsg(SESSION, seq, 1))
 
 
+def _answered_until_writable(peers: LanguagePeers, rounds: int = 5) -> bool:
+    """Answer every ping, as many rounds as it takes (a stall of this busy machine starts a new
+    epoch), until the session may be written; whether it came to that."""
+    for _ in range(rounds):
+        _answer_pings(peers)
+        if peers.may_write(KEY):
+            return True
+    return False
+
+
 def test_a_ping_sent_while_a_stall_is_being_counted_still_lets_writes_start(monkeypatch) -> None:
     """On a busy machine the GIL can pass to another thread right as the watch counts a stall
     (the heartbeat of an encoder just resumed from SIGSTOP, say). A ping sent then was tagged
@@ -49,12 +59,7 @@ def test_a_ping_sent_while_a_stall_is_being_counted_still_lets_writes_start(monk
         peers.stall._last -= 10 * peers.stall.threshold  # what the ticker sees after a SIGSTOP
         assert pinged.wait(5)
 
-        confirmed = False
-        for _ in range(5):  # the language side answers every ping, as many rounds as it takes
-            _answer_pings(peers)
-            if confirmed := peers.may_write(KEY):
-                break
-        assert confirmed, f"answered pings never confirm the session again: {peers._regs[KEY]}"
+        assert _answered_until_writable(peers), f"answered pings never confirm the session again: {peers._regs[KEY]}"
     finally:
         peers.close()
         push.close()
@@ -78,12 +83,7 @@ def test_a_session_declared_dead_is_written_again_only_once_it_answers() -> None
         assert [key for key, _ in peers.beat({KEY})] == [KEY]  # two: declared dead
         assert not peers.writable(KEY)
         assert not peers.may_write(KEY)  # asks again
-        confirmed = False
-        for _ in range(5):  # as many rounds as a stall of this busy machine (the watch's) takes
-            _answer_pings(peers)
-            if confirmed := peers.may_write(KEY):
-                break
-        assert confirmed, f"answered pings never make the session writable again: {peers._regs[KEY]}"
+        assert _answered_until_writable(peers), f"answered pings never confirm the session again: {peers._regs[KEY]}"
     finally:
         peers.close()
         push.close()
