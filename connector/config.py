@@ -110,14 +110,20 @@ class ConnectorConfig:
     heartbeat_max_failures: int = setting(
         2, flag="--heartbeat-max-failure", env="SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
         help="heartbeats (language side) or pings (encode side) missed in a row before a peer is dead")
-    # Then the peer is declared dead for the room and its blocks freed. Longer than an encoder's
-    # longest write into them (MC_TRANSFER_TIMEOUT 10 s + their size at --min-link-rate), so no
-    # late byte lands.
+    # Then the peer is declared dead for the room. Longer than an encoder's longest write into
+    # its blocks (MC_TRANSFER_TIMEOUT 10 s + their size at --min-link-rate).
     abort_ack_timeout: float = setting(
         15.0, flag="--abort-ack-timeout", env="SGLANG_EMBEDDING_ABORT_ACK_TIMEOUT", metavar="SECONDS",
-        help="language side: an aborted or suspended room keeps its blocks until its encoder acknowledges, or this "
-             "long plus their size at --min-link-rate; then that encoder counts as dead for the room and the blocks "
-             "are freed")
+        help="language side: an aborted or suspended room waits this long plus its blocks' size at --min-link-rate "
+             "for its encoder's acknowledgement; then that encoder counts as dead for the room (and the blocks wait "
+             "up to --unacked-block-hold more)")
+    # Past the ack timeout the blocks stay out of use: an encoder cut off by a partition may have
+    # a write queued in Mooncake that lands when the link returns; it acks only once that write
+    # has settled (sender.HELD_WRITE_MAX_S, 180 s, at most), so the ack frees them.
+    unacked_block_hold: float = setting(
+        300.0, flag="--unacked-block-hold", env="SGLANG_EMBEDDING_UNACKED_BLOCK_HOLD", metavar="SECONDS",
+        help="language side: after --abort-ack-timeout an aborted room's blocks are still kept out of use until its "
+             "encoder acknowledges (it does once no write of it can land) or is found gone, or this much longer")
     min_link_rate: float = setting(
         50e6, flag="--min-link-rate", env="SGLANG_EMBEDDING_MIN_LINK_RATE", metavar="BYTES_PER_S",
         help="the least rate one embedding write gets on the link (set it alike on both sides): the encode side "
@@ -182,8 +188,9 @@ class ConnectorConfig:
                              "this worker at: give --advertise-host (this host's address on the network its peers use)")
 
     def longest_abort_hold(self, pool_bytes: int) -> float:
-        """Seconds an aborted room may keep its blocks, at most: the ack timeout plus the whole pool's
-        bytes at ``min_link_rate`` (each room holds a part of them)."""
+        """Seconds an aborted room waits for its ack, at most: the ack timeout plus the whole pool's
+        bytes at ``min_link_rate`` (each room holds a part of them). Its blocks may be held
+        ``unacked_block_hold`` longer (released with the pool on sleep)."""
         return self.abort_ack_timeout + pool_bytes / self.min_link_rate
 
     @property

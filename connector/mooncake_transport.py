@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from connector.transport import TransferError, Transport
+from connector.transport import TransferError, Transport, WriteUnsettled
 
 if TYPE_CHECKING:
     from connector.config import ConnectorConfig
@@ -105,6 +105,7 @@ class MooncakeTransport(Transport):
         self._min_link_rate = min_link_rate
         self._writes = 0  # writes under way: they share the link, and close() waits for them
         self._writes_changed = threading.Condition()
+        self._held: list[_HeldParts] = []  # of writes given up on, not settled yet: close() waits for them too
         self._closed = False
 
     def register(self, regions: list[tuple[int, int]]) -> None:
@@ -170,8 +171,11 @@ class MooncakeTransport(Transport):
             pending = still
             if pending:
                 if time.perf_counter() > give_up_at:
-                    raise TransferError(f"write of {nbytes} bytes to {peer}: {len(pending)} part(s) not settled "
-                                        f"after {time.perf_counter() - start:.1f}s")
+                    held = _HeldParts(self._engine, pending)
+                    with self._writes_changed:
+                        self._held.append(held)
+                    raise WriteUnsettled(f"write of {nbytes} bytes to {peer}: {len(pending)} part(s) not settled "
+                                         f"after {time.perf_counter() - start:.1f}s", held.settled)
                 time.sleep(delay)
                 if time.perf_counter() > late_at:
                     delay = min(delay * 2, _POLL_LATE_MAX_S)
@@ -197,9 +201,31 @@ class MooncakeTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-            if not self._writes_changed.wait_for(lambda: self._writes == 0, timeout):
-                log.warning("closing with %d Mooncake write(s) still under way after %gs; the engine is "
-                            "left to process exit", self._writes, timeout)
-                return
+            deadline = time.monotonic() + timeout
+            while not self._all_settled():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("closing with %d Mooncake write(s) still under way after %gs; the engine is "
+                                "left to process exit", self._writes + len(self._held), timeout)
+                    return
+                self._writes_changed.wait(min(left, 0.1))  # held parts settle without a notify: look again
         if release:
             del self._engine
+
+    def _all_settled(self) -> bool:
+        self._held = [held for held in self._held if not held.settled()]
+        return self._writes == 0 and not self._held
+
+
+class _HeldParts:
+    """The parts of a given-up write that Mooncake still holds (each a batch to look at until it settles)."""
+
+    def __init__(self, engine, batches: list[int]) -> None:  # noqa: ANN001 (Mooncake's engine)
+        self._engine, self._batches = engine, batches
+        self._lock = threading.Lock()  # a settled batch is freed by Mooncake: never looked at twice
+
+    def settled(self) -> bool:
+        """Whether no part can land any more (each landed or failed)."""
+        with self._lock:
+            self._batches = [b for b in self._batches if self._engine.transfer_check_status(b) in (0, -2)]
+            return not self._batches

@@ -77,6 +77,7 @@ from connector.receiver_rooms import (
     PeerDead,
     PeerGone,
     PeerWoke,
+    PoolReleased,
     Rebound,
     ReceiverPhase,
     ReceiverRoom,
@@ -287,7 +288,8 @@ class EmbeddingReceiver:
 
     def abort(self, kind: FailureKind = FailureKind.CANCELLED, reason: str = "aborted by the language side") -> bool:
         """Fail at once and tell the encoder. Blocks the encoder may still be writing come back
-        with its ack (or when it is found gone, or after the ack timeout); others at once.
+        with its ack (or when it is found gone, or ``unacked_block_hold`` past the ack timeout);
+        others at once.
         Returns whether the whole embedding had arrived when the abort took effect (the encoder
         was told it landed): decided under the lock that orders it with the last round's status."""
         return self.handle(Abort(kind, reason, self._m.clock())) == KVPoll.Success
@@ -342,7 +344,7 @@ class EmbeddingReceiver:
         """The manager's periodic check of the room's timeouts."""
         c = self._m.config
         self.handle(Tick(now, asleep_since, c.abort_ack_timeout, sum(self._m.pool.item_lens) / c.min_link_rate,
-                         c.fork_abort_hold, c.max_sleep, c.waiting_timeout))
+                         c.unacked_block_hold, c.fork_abort_hold, c.max_sleep, c.waiting_timeout))
 
     def rebind(self, route: RankRoute) -> None:
         """The encoder restarted at ``route``: ask it again for the round it owes this room."""
@@ -530,9 +532,9 @@ class EmbeddingReceiverManager:
                 silent = [r for r in receivers if not settled(r)]
                 for r in silent:
                     r.abort(FailureKind.TIMEOUT, f"{r.peer_name} did not acknowledge the suspend within {timeout:g}s")
-            # Blocks of aborted rooms come back with the ack or its timeout; the pool can only be
-            # released after that.
-            self._wait(lambda: not any(r.phase == R.ABORTING for r in receivers),
+            # Blocks of aborted rooms come back with the ack; past its timeout they are released
+            # with the pool (detach_pool).
+            self._wait(lambda: not any(r.phase == R.ABORTING and not r.machine.unacked for r in receivers),
                        self.config.longest_abort_hold(self.pool.nbytes) + 1)
 
     def _wait(self, predicate, timeout: float) -> bool:
@@ -544,13 +546,24 @@ class EmbeddingReceiverManager:
             self._any_change.wait(min(left, 0.05))
         return True
 
-    def detach_pool(self) -> None:
-        """Deregister the pool (sleep). Every block must be back."""
+    def only_unacked_blocks_out(self) -> bool:
+        """Every block is free but those of aborted rooms past their ack wait (``detach_pool`` frees them)."""
         with self._lock:
-            if not self.allocator.all_free():
+            return self.allocator.free_blocks + self._unacked_blocks() == self.allocator.num_blocks
+
+    def _unacked_blocks(self) -> int:
+        return sum(len(rnd.block_ids) for r in self._rooms.values() if r.machine.unacked for rnd in r.machine.rounds)
+
+    def detach_pool(self) -> None:
+        """Deregister the pool (sleep). Every block must be back, but those of aborted rooms past
+        their ack wait: deregistered, nothing can land in them, so they come back now."""
+        with self._lock:
+            if not self.only_unacked_blocks_out():
                 raise RuntimeError(f"cannot release the pool: {self.allocator.num_blocks - self.allocator.free_blocks} "
                                    "blocks still in use")
             self.transport.unregister([b.ctypes.data for b in self.pool.buffers])
+            for receiver in [r for r in self._rooms.values() if r.machine.unacked]:
+                receiver.handle(PoolReleased())
 
     def attach_pool(self, pool: BufferPool, allocator: BlockAllocator) -> None:
         """Register a new pool (wake) under a new generation; encoders get a fresh register."""
@@ -741,7 +754,8 @@ class EmbeddingReceiverManager:
         nothing more, so its rooms' blocks come back at once; one that only stopped answering
         (frozen, cut off) may still write when it comes back, so its rooms are aborted and their
         blocks wait for its ack (it handles our abort before it answers a ping again, so it
-        starts no new write for them), for it to be found gone, or for the ack timeout."""
+        starts no new write for them, and acks once none of its writes can land), for it to be
+        found gone, or past the ack timeout for ``unacked_block_hold``."""
         peer = self.encoders.peer(addr)
         peer.misses, peer.incarnation, peer.dead = 0, None, why
         if gone:  # a restarted process has another rank: look it up again

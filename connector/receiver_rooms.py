@@ -17,7 +17,9 @@ Block ownership: blocks passed in with :class:`Init` or :class:`Resumed` belong 
 then on. They leave it when the embedding is assembled or checkpointed (or spilled to host
 memory), or when the room failed and no peer can still write into them: a ``Failed`` status from
 the encoder (it sends one only with nothing in flight), its ``ABORT_ACK``, a peer whose process is
-gone (connection refused), a message that could not be sent, or the ack timeout.
+gone (connection refused), a message that could not be sent, the pool deregistered (sleep), or,
+``unacked_block_hold`` after the ack wait, regardless: until then an encoder cut off by a
+partition may still have a write queued in Mooncake that lands when the link returns.
 
 An encoder built from the reference fork (``extended`` False: its bootstrap sends no incarnation
 header) gets no message of ours beyond register, init and resume: no abort, no suspend. It cannot
@@ -151,6 +153,11 @@ class PeerGone:
 
 
 @dataclass(frozen=True)
+class PoolReleased:
+    """The pool was deregistered (sleep): no write can land in these blocks any more."""
+
+
+@dataclass(frozen=True)
 class PeerDead:
     """The peer was declared dead; ``gone``: its process is gone (else it only stopped answering)."""
 
@@ -183,6 +190,7 @@ class Tick:
     asleep_since: float | None  # when the peer was seen asleep (None: awake)
     abort_ack_timeout: float  # how long an aborted room waits for the ABORT_ACK ...
     seconds_per_block: float  # ... plus this per block it holds: an encoder's write on a slow link ends later
+    unacked_block_hold: float  # then its blocks stay out of use this much longer, unless the ack comes
     fork_abort_hold: float  # ... or, with a fork encoder, for the status of the round it owes
     max_sleep: float
     waiting_timeout: float
@@ -209,7 +217,7 @@ class Restore:
 
 
 Event = (Init | Resumed | Spill | Clone | StatusIn | AbortAck | SuspendAck | Abort | Suspend | SendFailed | PeerGone
-         | PeerDead | PeerWoke | Rebound | Tick | Assemble | Checkpoint | Restore)
+         | PoolReleased | PeerDead | PeerWoke | Rebound | Tick | Assemble | Checkpoint | Restore)
 
 
 # ---- effects (what the handle must do, in order) ------------------------------------------------
@@ -314,6 +322,7 @@ class ReceiverRoom:
     spilled: int = 0  # tokens [0, spilled) already copied to host memory
     aux: np.ndarray | None = None
     aborted_at: float = 0.0
+    unacked: bool = False  # aborting past its ack wait: its blocks are kept out of use, not waited for
     failure_noted: bool = False
 
     # ---- queries (change nothing) ------------------------------------------------------------
@@ -368,8 +377,8 @@ class ReceiverRoom:
                 self._on_abort_ack(event, out)
             case SendFailed():
                 self._on_send_failed(event, out)
-            case PeerGone():
-                self._on_peer_gone(event, out)
+            case PeerGone() | PoolReleased():
+                self._on_nothing_can_land(out)
             case PeerDead():
                 self._on_peer_dead(event, out)
             case PeerWoke():
@@ -432,7 +441,8 @@ class ReceiverRoom:
 
     def _on_abort(self, ev: Abort, out: list[Effect]) -> None:
         """Fail at once and tell the encoder. Blocks the encoder may still be writing come back
-        with its ack (or when it is found gone, or after the ack timeout); others at once."""
+        with its ack (or when it is found gone, or ``unacked_block_hold`` past the ack timeout);
+        others at once."""
         if self.phase in (R.CLOSED, R.ABORTING) or not self.state.fail(ev.kind, ev.reason):
             return
         self._note_failure(out)
@@ -589,7 +599,7 @@ class ReceiverRoom:
             self.state.fail(FailureKind.PEER_UNREACHABLE, f"cannot reach {self.peer_name}")
             self._close(out)
 
-    def _on_peer_gone(self, ev: PeerGone, out: list[Effect]) -> None:
+    def _on_nothing_can_land(self, out: list[Effect]) -> None:
         if self.phase == R.ABORTING:
             self._close(out)
 
@@ -620,12 +630,7 @@ class ReceiverRoom:
 
     def _on_tick(self, ev: Tick, out: list[Effect]) -> None:
         if self.phase == R.ABORTING:
-            held_blocks = sum(len(rnd.block_ids) for rnd in self.rounds)
-            hold = ev.abort_ack_timeout + held_blocks * ev.seconds_per_block if self.extended else ev.fork_abort_hold
-            if ev.now - self.aborted_at > hold:
-                out.append(Warn(f"room {self.room}: no {'ABORT_ACK' if self.extended else 'status'} from "
-                                f"{self.peer_name} within {hold:g}s; its blocks are freed"))
-                self._close(out)
+            self._check_abort_hold(ev, out)
         elif ev.asleep_since is not None:
             if ev.now - ev.asleep_since > ev.max_sleep:
                 self._on_abort(Abort(FailureKind.TIMEOUT, f"{self.peer_name} slept longer than {ev.max_sleep:g}s",
@@ -633,6 +638,30 @@ class ReceiverRoom:
         elif self.phase in (R.WAITING, R.EARLY) and ev.now - self.last_progress > ev.waiting_timeout:
             self._on_abort(Abort(FailureKind.TIMEOUT, f"no data from {self.peer_name} within "
                                                       f"{ev.waiting_timeout:g}s", ev.now), out)
+
+    def _check_abort_hold(self, ev: Tick, out: list[Effect]) -> None:
+        """An aborted room waits for its encoder's ack (a fork's status) to free its blocks. Past
+        the ack wait our encoder counts as dead for the room, but the blocks stay out of use up to
+        ``unacked_block_hold`` longer: one cut off by a partition may still have a write queued in
+        Mooncake that lands once the link returns, and it acks only after that write settled."""
+        waited = ev.now - self.aborted_at
+        if not self.extended:
+            if waited > ev.fork_abort_hold:
+                out.append(Warn(f"room {self.room}: no status from {self.peer_name} within "
+                                f"{ev.fork_abort_hold:g}s; its blocks are freed"))
+                self._close(out)
+            return
+        ack_wait = ev.abort_ack_timeout + sum(len(rnd.block_ids) for rnd in self.rounds) * ev.seconds_per_block
+        if waited > ack_wait + ev.unacked_block_hold:
+            out.append(Warn(f"room {self.room}: no ABORT_ACK from {self.peer_name} within "
+                            f"{ack_wait + ev.unacked_block_hold:g}s; its blocks are freed"))
+            self._close(out)
+        elif waited > ack_wait and not self.unacked:
+            self.unacked = True
+            out += [Count("abort_unacked"),
+                    Warn(f"room {self.room}: no ABORT_ACK from {self.peer_name} within {ack_wait:g}s; its blocks "
+                         f"stay out of use until it acknowledges or is found gone, at most "
+                         f"{ev.unacked_block_hold:g}s more")]
 
     # ---- helpers -----------------------------------------------------------------------------
 

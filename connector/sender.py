@@ -60,7 +60,7 @@ from connector.poll import KVPoll
 from connector.rejections import Rejections
 from connector.sender_rooms import Destination, SenderPhase, SenderRoom, Timeouts, World, Write, embedding_nbytes
 from connector.staging import ByteBudget
-from connector.transport import TransferError, Transport
+from connector.transport import TransferError, Transport, WriteUnsettled
 from connector.write_workers import WriteWorkers
 from connector.zmq_link import PullLoop, PushSockets
 
@@ -74,6 +74,10 @@ _MAX_ENDED = 65_536  # ended rooms remembered at most (a flood of refusals canno
 # succeeds. The same bytes to the same blocks, still the room's: a late byte of the first changes
 # nothing.
 WRITE_ATTEMPTS = 2
+# A write given up on while Mooncake still holds parts of it keeps its room draining (source
+# blocks held, Failed status and abort ack not sent) until they settle, or this long: a connect
+# Mooncake made into a cut link fails after TCP's SYN retries (127 s at Linux's defaults).
+HELD_WRITE_MAX_S = 180.0
 
 
 @dataclass
@@ -92,6 +96,17 @@ class _Answer:
 
     delivered: Future = field(default_factory=Future)  # None once every destination has it all
     first_write_at: float | None = None  # time.monotonic() as the first round's write began
+
+
+@dataclass
+class _HeldWrite:
+    """A write given up on whose parts Mooncake still holds: its room waits until they settle."""
+
+    room: SenderRoom
+    write: Write
+    error: str
+    settled: Callable[[], bool]
+    since: float  # the manager's clock
 
 
 class EmbeddingSender:
@@ -165,6 +180,7 @@ class EmbeddingSenderManager:
         self._rooms: dict[int, SenderRoom] = {}
         self._answers: dict[int, _Answer] = {}  # beside each room of _rooms
         self._ended: collections.OrderedDict[int, float] = collections.OrderedDict()  # room -> when it ended
+        self._held_writes: list[_HeldWrite] = []
         self._to_place = PlacementQueue()  # data in host memory waiting for blocks
         self._paused = False  # this worker sleeps: no write or placement starts, no timeout fires
         self._stop = threading.Event()
@@ -624,6 +640,13 @@ class EmbeddingSenderManager:
             answer.first_write_at = time.monotonic()
         try:
             error = "" if r.phase == P.DRAINING else self._write_round(write)
+        except WriteUnsettled as exc:
+            log.warning("room %d: %s; its blocks, Failed status and abort ack wait until they settle", r.room, exc)
+            with self._lock:  # the room fails now (its /encode is answered) but stays in flight
+                self.stats["writes_held"] += 1
+                self._held_writes.append(_HeldWrite(r, write, str(exc), exc.settled, self.clock()))
+                self._dispatch(r, ev.Fail(FailureKind.TRANSFER, str(exc)))
+            return
         except Exception as exc:  # a bug or an engine error fails the room, never this worker
             log.exception("room %d: write failed unexpectedly", r.room)
             error = f"write failed unexpectedly: {type(exc).__name__}: {exc}"
@@ -649,6 +672,9 @@ class EmbeddingSenderManager:
                 try:
                     self.transport.write(d.session_id, plan.src_addrs, plan.dst_addrs, plan.lengths)
                     break
+                except WriteUnsettled as exc:  # not again: the bytes would queue behind those still held
+                    raise WriteUnsettled(f"transfer to language peer {d.endpoint}:{d.port} failed: {exc}",
+                                         exc.settled) from exc
                 except TransferError as exc:
                     with self._lock:  # not again into a peer gone or declared dead meanwhile
                         writable = self.peers.get(d.peer) is not None and self.peers.writable(d.peer)
@@ -667,6 +693,7 @@ class EmbeddingSenderManager:
             now = self.clock()
             with self._lock:
                 self._expire_ended(now)
+                self._settle_held_writes(now)
                 if self._paused:
                     continue
                 for r in [r for r in self._rooms.values() if r.live]:  # ended rooms have no wait to time out
@@ -674,6 +701,19 @@ class EmbeddingSenderManager:
                 if now >= next_beat:
                     next_beat = now + self.config.heartbeat_interval
                     self._beat()
+
+    def _settle_held_writes(self, now: float) -> None:
+        """End the wait of each held write whose parts settled (or that waited too long)."""
+        for held in list(self._held_writes):
+            if held.settled():
+                log.info("room %d: the write given up on has settled", held.room.room)
+            elif now - held.since > HELD_WRITE_MAX_S:
+                log.error("room %d: Mooncake still holds parts of a write given up %.0f s ago; its blocks are freed "
+                          "and its abort acked regardless", held.room.room, now - held.since)
+            else:
+                continue
+            self._held_writes.remove(held)
+            self._dispatch(held.room, ev.WriteLanded(held.write, held.error))
 
     def _expire_ended(self, now: float) -> None:
         while self._ended and now - next(iter(self._ended.values())) > _ENDED_GRACE_S:

@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 
 
 class TransferError(RuntimeError):
     """A write that did not complete; destination bytes are undefined afterwards."""
 
 
+class WriteUnsettled(TransferError):
+    """A write given up on while the engine still holds parts of it: they may still land (a
+    connect into a cut link that succeeds once it heals). Until ``settled()`` returns True its
+    source must stay as it is and its destination must not be given to anyone else."""
+
+    def __init__(self, message: str, settled: Callable[[], bool]) -> None:
+        super().__init__(message)
+        self.settled = settled
+
+
 class Transport(abc.ABC):
     """Moves bytes from local registered memory into a peer's registered memory.
 
     ``write`` returns only when every byte has landed (the peer acknowledged) or raises
-    :class:`TransferError`; in both cases nothing of that call is still in flight.
+    :class:`TransferError`; in both cases nothing of that call is still in flight, except after
+    :class:`WriteUnsettled`, whose ``settled`` says when that is so.
     """
 
     session_id: str

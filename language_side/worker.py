@@ -284,9 +284,11 @@ class LanguageWorker:
             self._fail(req, kind, why)
 
     def _wait_for_blocks(self) -> None:
-        """Wait (bounded: the ack timeout frees them) for the blocks of aborted rooms."""
+        """Wait (bounded by the ack timeout) for the blocks of aborted rooms; those whose ack did not
+        come within it are freed as the pool is deregistered."""
         deadline = time.monotonic() + self.config.longest_abort_hold(self.pool.nbytes if self.pool else 0) + 2
-        while self.allocator is not None and not self.allocator.all_free() and time.monotonic() < deadline:
+        while (self.allocator is not None and not self.receivers.only_unacked_blocks_out()
+               and time.monotonic() < deadline):
             time.sleep(0.01)
 
     def _release_pool(self) -> None:

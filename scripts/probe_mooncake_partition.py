@@ -10,7 +10,9 @@ back-off (1, 3, 7, 15 s ...) and the write after the heal waits for it; with
 
     python scripts/probe_mooncake_partition.py [--cut 15] [--rto-max-ms 1000]
 
-Needs root (network namespaces, ``scripts/hosts.py``).
+Needs root (network namespaces, ``scripts/hosts.py``). ``tests/test_mooncake_partition.py``
+drives its receiver and its ``--transport-sender`` (the connector's own ``MooncakeTransport``)
+to check what that transport says of a write given up on in a cut.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,9 +51,48 @@ def _engine(host: str):  # noqa: ANN202
 
 
 def receiver(host: str) -> None:
+    """Prints its session and buffer address, then the CRC of what landed for each line read
+    (until the parent closes the pipe)."""
     engine, buffer = _engine(host)
     print(json.dumps({"session": f"{host}:{engine.get_rpc_port()}", "addr": buffer.ctypes.data}), flush=True)
-    sys.stdin.read()  # until the parent closes the pipe
+    for _ in sys.stdin:
+        print(json.dumps({"crc": zlib.crc32(buffer[:WRITE_BYTES])}), flush=True)
+
+
+def pattern(seed: int) -> bytes:
+    """The bytes a transport sender's write numbered ``seed`` carries."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 256, WRITE_BYTES, dtype=np.uint8).tobytes()
+
+
+def transport_sender(host: str, session: str, dst: int) -> None:
+    """The connector's transport: reads ``write NAME SEED`` (write ``pattern(SEED)``; prints ok,
+    failed or unsettled) and ``settled NAME`` (whether an unsettled write has settled) lines."""
+    import numpy as np
+
+    from connector.mooncake_transport import MooncakeTransport
+    from connector.transport import TransferError, WriteUnsettled
+
+    transport = MooncakeTransport(host)
+    buffer = np.zeros(WRITE_BYTES, np.uint8)
+    transport.register([(buffer.ctypes.data, buffer.nbytes)])
+    held = {}
+    for line in sys.stdin:
+        verb, name, *rest = line.split()
+        if verb == "settled":
+            print(json.dumps({"settled": held[name]()}), flush=True)
+            continue
+        buffer[:] = np.frombuffer(pattern(int(rest[0])), np.uint8)
+        started, result = time.monotonic(), "ok"
+        try:
+            transport.write(session, [buffer.ctypes.data], [dst], [WRITE_BYTES])
+        except WriteUnsettled as exc:
+            result, held[name] = "unsettled", exc.settled
+        except TransferError:
+            result = "failed"
+        print(json.dumps({"write": name, "result": result, "seconds": round(time.monotonic() - started, 2)}),
+              flush=True)
 
 
 def sender(host: str, session: str, dst: int) -> None:
@@ -117,6 +159,8 @@ def main() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--receiver"]:
         receiver(sys.argv[2])
+    elif sys.argv[1:2] == ["--transport-sender"]:
+        transport_sender(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif sys.argv[1:2] == ["--sender"]:
         sender(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:

@@ -40,6 +40,7 @@ from connector.receiver_rooms import (
     PeerDead,
     PeerGone,
     PeerWoke,
+    PoolReleased,
     Rebound,
     ReceiverPhase,
     ReceiverRoom,
@@ -63,7 +64,7 @@ pytestmark = pytest.mark.fast
 
 P = ReceiverPhase
 BS = 4
-HOLD, FORK_HOLD, MAX_SLEEP, WAITING = 15.0, 30.0, 600.0, 300.0
+HOLD, UNACKED, FORK_HOLD, MAX_SLEEP, WAITING = 15.0, 300.0, 30.0, 600.0, 300.0
 
 
 def new_room(extended: bool = True, clone_concat: bool = False) -> ReceiverRoom:
@@ -80,7 +81,7 @@ def status(st_: KVPoll, sent: int | None = None, total: int | None = None, reaso
 
 
 def tick(now: float, asleep_since: float | None = None, seconds_per_block: float = 0.0) -> Tick:
-    return Tick(now, asleep_since, HOLD, seconds_per_block, FORK_HOLD, MAX_SLEEP, WAITING)
+    return Tick(now, asleep_since, HOLD, seconds_per_block, UNACKED, FORK_HOLD, MAX_SLEEP, WAITING)
 
 
 def freed(effects: list) -> list[int]:
@@ -186,12 +187,34 @@ def test_an_abort_while_a_round_is_written_waits_for_the_ack() -> None:
     assert room.on(status(KVPoll.Failed, reason="late")) == []
 
 
-def test_an_unacked_abort_frees_the_blocks_after_the_hold() -> None:
+def unacked_room(blocks: tuple[int, ...] = (0, 1)) -> ReceiverRoom:
+    """An aborted room whose ack did not come within the ack wait."""
     room = new_room()
-    room.on(Init((0, 1)))
-    room.on(Abort(FailureKind.CANCELLED, "client left", now=5.0))
+    room.on(Init(blocks))
+    room.on(Abort(FailureKind.PEER_DEAD, "heartbeats missed", now=5.0))
     effects = room.on(tick(5.0 + HOLD + 0.1))
+    assert kinds(effects) == [Count, Warn] and effects[0] == Count("abort_unacked") and not freed(effects)
+    assert "stay out of use until it acknowledges" in effects[1].text
+    assert room.phase == P.ABORTING and room.unacked
+    assert room.on(tick(5.0 + HOLD + 1.0)) == []  # said once
+    return room
+
+
+def test_an_unacked_abort_keeps_the_blocks_out_of_use_until_the_hold_ends() -> None:
+    """A partitioned encoder may have a write queued in Mooncake that lands when the link returns."""
+    room = unacked_room()
+    assert room.on(tick(5.0 + HOLD + UNACKED - 0.1)) == []
+    effects = room.on(tick(5.0 + HOLD + UNACKED + 0.1))
     assert kinds(effects)[0] is Warn and freed(effects) == [0, 1] and room.phase == P.CLOSED
+
+
+@pytest.mark.parametrize("event", [AbortAck(ours=True), PeerGone(), PoolReleased(),
+                                   status(KVPoll.Failed, reason="transfer: not settled")],
+                         ids=["late ack", "peer gone", "pool deregistered", "failed status"])
+def test_an_unacked_room_frees_its_blocks_once_nothing_can_land(event) -> None:
+    room = unacked_room()
+    effects = room.on(event)
+    assert freed(effects) == [0, 1] and room.phase == P.CLOSED
 
 
 def test_the_hold_grows_with_the_blocks_a_slow_link_may_still_be_writing() -> None:
@@ -199,7 +222,8 @@ def test_the_hold_grows_with_the_blocks_a_slow_link_may_still_be_writing() -> No
     room.on(Init((0, 1, 2)))
     room.on(Abort(FailureKind.CANCELLED, "client left", now=5.0))
     assert room.on(tick(5.0 + HOLD + 2.9, seconds_per_block=1.0)) == []  # 3 blocks at 1 s each
-    effects = room.on(tick(5.0 + HOLD + 3.1, seconds_per_block=1.0))
+    assert kinds(room.on(tick(5.0 + HOLD + 3.1, seconds_per_block=1.0))) == [Count, Warn] and room.unacked
+    effects = room.on(tick(5.0 + HOLD + UNACKED + 3.1, seconds_per_block=1.0))
     assert kinds(effects)[0] is Warn and freed(effects) == [0, 1, 2] and room.phase == P.CLOSED
 
 
@@ -591,7 +615,7 @@ class Sim:
         self.step(Abort(FailureKind.CANCELLED, "closing", self.now))
         if room.phase == P.ABORTING:
             if how == "tick":
-                self.now += FORK_HOLD + 1.0
+                self.now += max(FORK_HOLD, HOLD + UNACKED) + 1.0
                 self.step(tick(self.now))
             elif how == "gone":
                 self.step(PeerGone(), peer_stopped=True)

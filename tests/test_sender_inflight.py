@@ -5,6 +5,7 @@ Mooncake paths are in test_faults, test_transfer and test_sleep_*)."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 
 import pytest
@@ -17,10 +18,11 @@ from test_faults import wait_for
 from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
-from connector.failures import FailureKind
-from connector.messages import InitMsg, ResumeMsg, StatusMsg
+from connector.failures import FailureKind, TransferFailure
+from connector.messages import AbortAckMsg, AbortMsg, InitMsg, ResumeMsg, StatusMsg
 from connector.poll import KVPoll
-from connector.sender import EmbeddingSenderManager
+from connector.sender import EmbeddingSender, EmbeddingSenderManager
+from connector.transport import WriteUnsettled
 
 pytestmark = pytest.mark.fast
 
@@ -37,6 +39,29 @@ class FailingFirstWrite(GatedTransport):
         super().write(peer_session, src_addrs, dst_addrs, lengths)
 
 
+class HeldFirstWrite(GatedTransport):
+    """Its first write is given up on while its parts are still held (Mooncake's connect into a
+    cut link): they land once ``release`` is set; later writes go through."""
+
+    def write(self, peer_session: str, src_addrs: list[int], dst_addrs: list[int], lengths: list[int]) -> None:
+        with self._lock:
+            self._calls += 1
+            call = self._calls
+        if call > 1:
+            self.release.set()
+            return super().write(peer_session, src_addrs, dst_addrs, lengths)
+        self.first_started.set()
+
+        def settled() -> bool:
+            if self.release.is_set() and not self.finished:
+                for src, dst, n in zip(src_addrs, dst_addrs, lengths, strict=True):
+                    ctypes.memmove(dst, src, n)  # it lands late: the source had to stay as it was
+                self.finished.append(call)
+            return bool(self.finished)
+
+        raise WriteUnsettled("write of 1 part(s) not settled after 10.0s", settled)
+
+
 @pytest.fixture
 def encoder(raw_language) -> Iterator:
     """Start an in-process sender on a transport class; returns (sender, allocator, start_room)."""
@@ -51,10 +76,12 @@ def encoder(raw_language) -> Iterator:
         raw.connect(sender.rank_port)
         raw.register(dst)
 
-        def start_room(room: int) -> None:  # 1200 tokens: one round into 10 destination blocks
-            sender.create_sender(room).send(synthetic_embedding(1200, 64, "bfloat16", seed=room))
+        def start_room(room: int) -> EmbeddingSender:  # 1200 tokens: one round into 10 destination blocks
+            handle = sender.create_sender(room)
+            handle.send(synthetic_embedding(1200, 64, "bfloat16", seed=room))
             dst_blocks = tuple(range(10 * (room % 6), 10 * (room % 6) + 10))
             raw.send(InitMsg(room, "127.0.0.1", raw.port, raw.session, dst_blocks, 1, 1280))
+            return handle
 
         return sender, allocator, start_room
 
@@ -111,6 +138,42 @@ def test_an_unexpected_write_error_fails_its_room_and_the_worker_goes_on(encoder
     for room in (2, 3, 4):  # more rooms than transfer workers: none of them died
         start_room(room)
         assert raw.expect() == StatusMsg(room, KVPoll.Success, 1200)
+    wait_for(allocator.all_free, 5, "the source blocks")
+
+
+def test_a_write_given_up_while_still_held_keeps_its_blocks_status_and_ack_until_it_settles(encoder) -> None:
+    """Mooncake gave up on a write it still holds: the room fails at once (its encode request is
+    answered), but the language side hears nothing that would let it reuse the blocks (Failed,
+    ABORT_ACK) and the source blocks stay, until the held parts settle; no second attempt."""
+    start, raw = encoder
+    transport = HeldFirstWrite()
+    sender, allocator, start_room = start(transport)
+    delivered = start_room(1).delivered
+    raw.answer_ping()
+    with pytest.raises(TransferFailure, match="transfer to language peer 127.0.0.1:.* not settled after 10.0s"):
+        delivered.result(5)
+    raw.send(AbortMsg(1, "127.0.0.1", raw.port, raw.generation))
+    assert raw.recv(0.5) is None, "a Failed status or an ack went out while the write was held"
+    assert not allocator.all_free(), "the source blocks were freed while Mooncake could still read them"
+    assert sender.stats["writes_held"] == 1
+    transport.release.set()  # the held parts land (the link came back)
+    msg = raw.expect()
+    assert (msg.room, msg.status) == (1, KVPoll.Failed) and "not settled" in msg.reason
+    assert raw.expect() == AbortAckMsg(1, raw.generation)
+    wait_for(allocator.all_free, 5, "the source blocks")
+    assert transport._calls == 1, "a held write was written once more"
+    start_room(2)  # the worker goes on
+    assert raw.expect() == StatusMsg(2, KVPoll.Success, 1200)
+
+
+def test_a_write_held_past_the_limit_frees_its_room(encoder, monkeypatch) -> None:
+    start, raw = encoder
+    monkeypatch.setattr("connector.sender.HELD_WRITE_MAX_S", 0.5)
+    sender, allocator, start_room = start(HeldFirstWrite())
+    start_room(1)
+    raw.answer_ping()
+    msg = raw.expect()  # after the limit, though it never settled
+    assert (msg.room, msg.status) == (1, KVPoll.Failed)
     wait_for(allocator.all_free, 5, "the source blocks")
 
 

@@ -135,7 +135,8 @@ def test_a_suspend_during_the_last_round_is_acked_after_its_success(make_peer, r
 
 @pytest.mark.serial
 def test_an_encoder_that_never_acks_the_suspend_is_aborted_and_the_pool_can_still_be_released(make_language) -> None:
-    """A fake encoder that takes every message and answers none: sleep must still get every block back."""
+    """A fake encoder that takes every message and answers none: sleep must still get every block back
+    (those of the unacked abort stay out of use until the pool is deregistered: nothing lands then)."""
     lang = make_language(abort_ack_timeout=1.0)
     ctx = zmq.Context()
     encoder_pull = ctx.socket(zmq.PULL)
@@ -148,11 +149,13 @@ def test_an_encoder_that_never_acks_the_suspend_is_aborted_and_the_pool_can_stil
         started = time.monotonic()
         lang.manager.suspend_all([receiver], timeout=0.5)
         assert receiver.poll() == KVPoll.Failed and "did not acknowledge the suspend" in receiver.state.reason
-        assert lang.allocator.all_free()  # the abort went unanswered too: freed after its ack timeout
+        # The abort went unanswered too: past its ack wait, its blocks are only kept out of use.
+        assert not lang.allocator.all_free() and lang.manager.only_unacked_blocks_out()
         assert time.monotonic() - started < 0.5 + 1.0 + 1.5
         kinds = [type(decode_encoder_bound(encoder_pull.recv_multipart())).__name__ for _ in range(4)]
         assert kinds == ["RegisterMsg", "InitMsg", "SuspendMsg", "AbortMsg"]
         lang.manager.detach_pool()  # raised "blocks still in use" before the suspend waited for them
+        assert lang.allocator.all_free()  # deregistered: nothing can land in them any more
         lang.manager.attach_pool(lang.pool, lang.allocator)
     finally:
         bootstrap.close()
