@@ -172,8 +172,8 @@ class MooncakeTransport(Transport):
             if pending:
                 if time.perf_counter() > give_up_at:
                     held = _HeldParts(self._engine, pending)
-                    with self._writes_changed:
-                        self._held.append(held)
+                    with self._writes_changed:  # those settled meanwhile are dropped
+                        self._held = [*(h for h in self._held if not h.settled()), held]
                     raise WriteUnsettled(f"write of {nbytes} bytes to {peer}: {len(pending)} part(s) not settled "
                                          f"after {time.perf_counter() - start:.1f}s", held.settled)
                 time.sleep(delay)

@@ -464,6 +464,9 @@ class EmbeddingReceiverManager:
         self.failing = FailingPeers()  # encoders whose rooms keep failing, for /health
         self._lock = threading.RLock()
         self._rooms: dict[int, EmbeddingReceiver] = {}
+        # Pools deregistered while aborted rooms' writes might still land in them, kept allocated
+        # until then (the manager's clock), so that no later allocation takes their addresses.
+        self._retired_pools: list[tuple[BufferPool, float]] = []
         self._registered: set[tuple[str, int]] = set()  # encode ranks that have our register
         self._ranks: set[tuple[str, int]] = set()  # every encode rank we sent to: the only ones a pong goes to
         self.encoders = EncoderPeers(config.heartbeat_interval, config.secret)
@@ -556,13 +559,17 @@ class EmbeddingReceiverManager:
 
     def detach_pool(self) -> None:
         """Deregister the pool (sleep). Every block must be back, but those of aborted rooms past
-        their ack wait: deregistered, nothing can land in them, so they come back now."""
+        their ack wait: they come back now, and the pool's memory is kept (unused) for
+        ``unacked_block_hold``, so a late write of their encoder lands where nobody reads."""
         with self._lock:
             if not self.only_unacked_blocks_out():
                 raise RuntimeError(f"cannot release the pool: {self.allocator.num_blocks - self.allocator.free_blocks} "
                                    "blocks still in use")
             self.transport.unregister([b.ctypes.data for b in self.pool.buffers])
-            for receiver in [r for r in self._rooms.values() if r.machine.unacked]:
+            unacked = [r for r in self._rooms.values() if r.machine.unacked]
+            if unacked:
+                self._retired_pools.append((self.pool, self.clock() + self.config.unacked_block_hold))
+            for receiver in unacked:
                 receiver.handle(PoolReleased())
 
     def attach_pool(self, pool: BufferPool, allocator: BlockAllocator) -> None:
@@ -677,6 +684,7 @@ class EmbeddingReceiverManager:
 
     def _check_timeouts(self, now: float) -> None:
         with self._lock:
+            self._retired_pools = [(pool, until) for pool, until in self._retired_pools if until > now]
             for receiver in list(self._rooms.values()):
                 receiver.tick(now, self.encoders.peer(receiver.bootstrap_addr).asleep_since)
 
@@ -739,6 +747,10 @@ class EmbeddingReceiverManager:
             self._drop_rank(old)
             for receiver in rooms:
                 receiver.rebind(route)
+            # The old process is gone (another holds its port): no write of it can land any more,
+            # and the acks of the rooms aborted there will never come.
+            for receiver in [r for r in self._rooms.values() if r.bootstrap_addr == addr and r.phase == R.ABORTING]:
+                receiver.handle(PeerGone())
         self.stats["peer_restarted"] += 1
         log.warning("encode peer %s restarted (rank now %s:%d); %d rooms asked again",
                     addr, route.rank_ip, route.rank_port, len(rooms))

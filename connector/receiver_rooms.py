@@ -17,9 +17,9 @@ Block ownership: blocks passed in with :class:`Init` or :class:`Resumed` belong 
 then on. They leave it when the embedding is assembled or checkpointed (or spilled to host
 memory), or when the room failed and no peer can still write into them: a ``Failed`` status from
 the encoder (it sends one only with nothing in flight), its ``ABORT_ACK``, a peer whose process is
-gone (connection refused), a message that could not be sent, the pool deregistered (sleep), or,
-``unacked_block_hold`` after the ack wait, regardless: until then an encoder cut off by a
-partition may still have a write queued in Mooncake that lands when the link returns.
+gone (connection refused), a message that could not be sent, the pool deregistered and set aside
+(sleep), or, ``unacked_block_hold`` after the ack wait, regardless: until then an encoder cut off
+by a partition may still have a write queued in Mooncake that lands when the link returns.
 
 An encoder built from the reference fork (``extended`` False: its bootstrap sends no incarnation
 header) gets no message of ours beyond register, init and resume: no abort, no suspend. It cannot
@@ -154,7 +154,7 @@ class PeerGone:
 
 @dataclass(frozen=True)
 class PoolReleased:
-    """The pool was deregistered (sleep): no write can land in these blocks any more."""
+    """The pool was deregistered (sleep) and its memory set aside: a late write lands where nobody reads."""
 
 
 @dataclass(frozen=True)

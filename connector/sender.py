@@ -243,8 +243,13 @@ class EmbeddingSenderManager:
     # ---- sleep ------------------------------------------------------------------------------
 
     def pause(self, timeout: float = 60.0) -> None:
-        """Start no new write or placement and wait until none is under way (this worker sleeps)."""
+        """Start no new write or placement and wait until none is under way (this worker sleeps).
+        Refused at once while Mooncake holds a write given up on (it may take minutes to settle)."""
         with self._lock:
+            if self._held_writes:
+                rooms = ", ".join(str(held.room.room) for held in self._held_writes)
+                raise TimeoutError(f"Mooncake still holds writes given up on (rooms {rooms}): they settle once "
+                                   f"their link returns or its connect fails, within {HELD_WRITE_MAX_S:g}s")
             self._paused = True
             busy = lambda: any(r.in_flight or r.moving for r in self._rooms.values())  # noqa: E731
             if not self._changed.wait_for(lambda: not busy(), timeout):
@@ -705,7 +710,12 @@ class EmbeddingSenderManager:
     def _settle_held_writes(self, now: float) -> None:
         """End the wait of each held write whose parts settled (or that waited too long)."""
         for held in list(self._held_writes):
-            if held.settled():
+            try:
+                settled = held.settled()
+            except Exception:  # an engine error: this thread must go on (heartbeats, timeouts)
+                log.exception("room %d: cannot tell whether a held write settled", held.room.room)
+                settled = False
+            if settled:
                 log.info("room %d: the write given up on has settled", held.room.room)
             elif now - held.since > HELD_WRITE_MAX_S:
                 log.error("room %d: Mooncake still holds parts of a write given up %.0f s ago; its blocks are freed "

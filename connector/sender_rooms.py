@@ -519,7 +519,11 @@ class SenderRoom:
         slot.block_ids, slot.allocated_tokens, slot.ready = resumed.block_ids, resumed.allocated_tokens, True
 
     def _suspend(self, msg: SuspendMsg, world: World, out: list[Effect]) -> None:
-        """The language side goes to sleep: write nothing more for the room, ack once idle."""
+        """The language side goes to sleep: write nothing more for the room, ack once idle (a
+        draining room once its write has settled: the ack lets the language side free the blocks)."""
+        if self.phase == P.DRAINING:
+            self.pending_suspend_acks.append(msg)
+            return
         if not self.live:
             out.append(SendAck(msg.endpoint, msg.dst_port, SuspendAckMsg(self.room, msg.generation)))
             return

@@ -373,9 +373,12 @@ class EncodeWorker:
             with self._idle:  # no forward pass starts from here on
                 if not self._idle.wait_for(lambda: not self._computing, self.config.bootstrap_timeout):
                     raise TransferFailure(FailureKind.CONFLICT, "encodes still running; try again")
+            try:
+                self.sender.pause()
+            except TimeoutError as exc:
+                raise TransferFailure(FailureKind.CONFLICT, f"{exc}; try again") from exc
             if not preserve_state:
                 self.sender.abort_all(FailureKind.ASLEEP, "the encode worker went to sleep (preserve_state=false)")
-            self.sender.pause()
             try:
                 kept_bytes = self.sender.detach_pool()
                 disk_error = ""

@@ -51,12 +51,13 @@ def _engine(host: str):  # noqa: ANN202
 
 
 def receiver(host: str) -> None:
-    """Prints its session and buffer address, then the CRC of what landed for each line read
-    (until the parent closes the pipe)."""
+    """Prints its session and buffer address, then, for each ``crc OFFSET`` line read, the CRC of
+    the write-sized range at that offset (until the parent closes the pipe)."""
     engine, buffer = _engine(host)
     print(json.dumps({"session": f"{host}:{engine.get_rpc_port()}", "addr": buffer.ctypes.data}), flush=True)
-    for _ in sys.stdin:
-        print(json.dumps({"crc": zlib.crc32(buffer[:WRITE_BYTES])}), flush=True)
+    for line in sys.stdin:
+        offset = int(line.split()[1])
+        print(json.dumps({"crc": zlib.crc32(buffer[offset:offset + WRITE_BYTES])}), flush=True)
 
 
 def pattern(seed: int) -> bytes:
@@ -67,26 +68,29 @@ def pattern(seed: int) -> bytes:
 
 
 def transport_sender(host: str, session: str, dst: int) -> None:
-    """The connector's transport: reads ``write NAME SEED`` (write ``pattern(SEED)``; prints ok,
-    failed or unsettled) and ``settled NAME`` (whether an unsettled write has settled) lines."""
+    """The connector's transport: reads ``write NAME SEED OFFSET`` (write ``pattern(SEED)`` at
+    that offset of the receiver's buffer; prints ok, failed or unsettled) and ``settled NAME``
+    (whether an unsettled write has settled) lines. Each write has a source buffer of its own:
+    one given up on may still be read."""
     import numpy as np
 
     from connector.mooncake_transport import MooncakeTransport
     from connector.transport import TransferError, WriteUnsettled
 
     transport = MooncakeTransport(host)
-    buffer = np.zeros(WRITE_BYTES, np.uint8)
-    transport.register([(buffer.ctypes.data, buffer.nbytes)])
-    held = {}
+    sources = np.zeros((8, WRITE_BYTES), np.uint8)
+    transport.register([(sources.ctypes.data, sources.nbytes)])
+    held, written = {}, 0
     for line in sys.stdin:
         verb, name, *rest = line.split()
         if verb == "settled":
             print(json.dumps({"settled": held[name]()}), flush=True)
             continue
-        buffer[:] = np.frombuffer(pattern(int(rest[0])), np.uint8)
+        source, written = sources[written % len(sources)], written + 1
+        source[:] = np.frombuffer(pattern(int(rest[0])), np.uint8)
         started, result = time.monotonic(), "ok"
         try:
-            transport.write(session, [buffer.ctypes.data], [dst], [WRITE_BYTES])
+            transport.write(session, [source.ctypes.data], [dst + int(rest[1])], [WRITE_BYTES])
         except WriteUnsettled as exc:
             result, held[name] = "unsettled", exc.settled
         except TransferError:

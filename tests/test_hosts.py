@@ -565,6 +565,33 @@ def test_20_percent_packet_loss_is_slower_never_wrong_never_hung(net, cluster, f
     all_blocks_back(a, b, language)
 
 
+def test_an_encoder_host_killed_under_48_clients_costs_no_client_its_answer(net, cluster, fresh) -> None:
+    """Every process on encoder host b killed (SIGKILL) while 48 clients' images go through both
+    language hosts: each client is answered 200 (its parts on b sent again to a; b's probes are
+    refused, so its rooms' blocks come back at once), and every block of a and both language
+    hosts is free after. (b stays dead: the modules' last tests use a.)"""
+    a, b = cluster["encoder"], cluster["encoder2"]
+    languages = [cluster["language"], cluster["language2"]]
+    clients = [fresh(*((1280, 720) if i % 4 == 0 else (448, 448))) for i in range(48)]
+    with ThreadPoolExecutor(48) as pool:
+        started = time.monotonic()
+        answers = [pool.submit(chat, languages[i % 2], image, f"kill-{i}", False) for i, image in enumerate(clients)]
+        while not requests.get(f"{b.url}/health", timeout=10).json()["active_rooms"]:
+            assert time.monotonic() - started < 120, "encoder b never had a room"
+            time.sleep(0.05)
+        pids = subprocess.run(["ip", "netns", "pids", net["encoder2"].netns], capture_output=True, text=True,
+                              check=True).stdout.split()
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+        killed_at = time.monotonic()
+        replies = [future.result() for future in answers]
+        elapsed = time.monotonic() - started
+    assert [reply.status_code for reply in replies] == [200] * 48, [r.text[:500] for r in replies if r.status_code != 200]
+    print(f"\n48 clients: killed b {killed_at - started:.1f} s in, all answered after {elapsed:.1f} s")
+    b.proc.wait(10)  # its launcher is gone too
+    all_blocks_back(a, *languages)
+
+
 def stop_alone(worker: WorkerProcess, host) -> float:
     """Ctrl-C (SIGINT) to the worker's launcher; once it exits (0, or ended by the signal as
     SGLang's server is), no process of it is left on its host (nothing else runs there). The

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.hosts
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "scripts" / "probe_mooncake_partition.py"
 sys.path.insert(0, str(PROBE.parent))
-from probe_mooncake_partition import pattern  # noqa: E402
+from probe_mooncake_partition import WRITE_BYTES, pattern  # noqa: E402
 
 GIVE_UP_S = 2  # MC_TRANSFER_TIMEOUT of the sender: the transport gives up after it (plus 28 ms at 50 MB/s)
 
@@ -60,39 +60,48 @@ def wait_settled(sender: Peer, name: str, within: float) -> float:
 
 
 def test_a_write_given_up_in_a_cut_is_held_until_it_lands_after_the_heal() -> None:
+    """Each write goes to a region of its own in the receiver's buffer, so what lands where tells
+    which write it came from."""
+    held_region, pooled_region = 0, 2 * WRITE_BYTES
     with Network(["sender", "receiver"]) as net:
         recv = Peer(net["receiver"], "--receiver", net["receiver"].address)
         info = recv.ask()
         send = Peer(net["sender"], "--transport-sender", net["sender"].address, info["session"], str(info["addr"]),
                     env={"MC_TRANSFER_TIMEOUT": str(GIVE_UP_S)})
+
+        def crc(region: int) -> int:
+            return recv.ask(f"crc {region}")["crc"]
+
         try:
-            assert send.ask("write warm-up 1")["result"] == "ok"
-            assert recv.ask("crc")["crc"] == zlib.crc32(pattern(1))
+            assert send.ask(f"write warm-up 1 {held_region}")["result"] == "ok"
+            assert crc(held_region) == zlib.crc32(pattern(1))
             net.cut(net["sender"], net["receiver"])
-            # Over the pooled connection: given up on at 2 s, Mooncake's progress timeout (3 s)
+            # Over the pooled connection: given up on at 2 s; Mooncake's progress timeout (3 s)
             # then drops the connection and fails it.
-            first = send.ask("write over-the-pooled-connection 2")
+            first = send.ask(f"write over-the-pooled-connection 2 {pooled_region}")
             assert first["result"] == "unsettled", first
             wait_settled(send, "over-the-pooled-connection", 10)
             # Mooncake connects anew into the cut: its SYNs at 0, 1, 3, 7 s ...
-            second = send.ask("write connect-into-the-cut 3")
+            second = send.ask(f"write connect-into-the-cut 3 {held_region}")
             assert second["result"] == "unsettled", second
             for _ in range(5):  # held while the link is cut
                 assert not send.ask("settled connect-into-the-cut")["settled"]
                 time.sleep(0.2)
+            assert crc(held_region) == zlib.crc32(pattern(1)), "a byte crossed the cut"
             net.heal(net["sender"], net["receiver"])
-            healed_at = time.monotonic()
             waited = wait_settled(send, "connect-into-the-cut", 30)
-            landed = recv.ask("crc")["crc"]
-            print(f"the write given up on after {second['seconds']} s settled {waited:.1f} s after the heal; "
-                  f"it {'landed' if landed == zlib.crc32(pattern(3)) else 'did not land'}")
-            assert landed == zlib.crc32(pattern(3)), "the given-up write did not land after the heal (the hazard " \
-                                                     "this guards against did not show)"
-            time.sleep(1.0)  # settled: nothing of it lands any more
-            assert recv.ask("crc")["crc"] == landed
-            assert time.monotonic() - healed_at < 30
-            assert send.ask("write after-the-heal 4")["result"] == "ok"
-            assert recv.ask("crc")["crc"] == zlib.crc32(pattern(4))
+            # Given up on seconds before, it landed once the link returned: what the encoder's
+            # hold (and the language side's, until the ack) is for.
+            assert crc(held_region) == zlib.crc32(pattern(3)), "the given-up write did not land after the heal"
+            time.sleep(1.0)
+            assert crc(held_region) == zlib.crc32(pattern(3))
+            # The failed write's bytes the sender's kernel still held for its dropped connection
+            # may land too (docs/failure_bounds.md: what is left open).
+            late = crc(pooled_region)
+            print(f"the write given up on after {second['seconds']} s settled {waited:.1f} s after the heal; the "
+                  f"failed one's range holds {'all of it' if late == zlib.crc32(pattern(2)) else 'part or none'}")
+            assert send.ask(f"write after-the-heal 4 {held_region}")["result"] == "ok"
+            assert crc(held_region) == zlib.crc32(pattern(4))
         finally:
             send.close()
             recv.close()

@@ -6,6 +6,7 @@ Mooncake paths are in test_faults, test_transfer and test_sleep_*)."""
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -168,13 +169,34 @@ def test_a_write_given_up_while_still_held_keeps_its_blocks_status_and_ack_until
 
 def test_a_write_held_past_the_limit_frees_its_room(encoder, monkeypatch) -> None:
     start, raw = encoder
-    monkeypatch.setattr("connector.sender.HELD_WRITE_MAX_S", 0.5)
+    monkeypatch.setattr("connector.sender.HELD_WRITE_MAX_S", 1.0)
     sender, allocator, start_room = start(HeldFirstWrite())
     start_room(1)
     raw.answer_ping()
+    wait_for(lambda: sender.stats["writes_held"] == 1, 5, "the write to be given up on")
+    raw.send(AbortMsg(1, "127.0.0.1", raw.port, raw.generation))
+    assert raw.recv(0.5) is None, "a Failed status or an ack went out while the write was held"
     msg = raw.expect()  # after the limit, though it never settled
     assert (msg.room, msg.status) == (1, KVPoll.Failed)
+    assert raw.expect() == AbortAckMsg(1, raw.generation)
     wait_for(allocator.all_free, 5, "the source blocks")
+
+
+def test_a_pause_is_refused_at_once_while_a_write_is_held(encoder) -> None:
+    """The encode worker's sleep waits for writes in flight; a held one may take minutes."""
+    start, raw = encoder
+    transport = HeldFirstWrite()
+    sender, allocator, start_room = start(transport)
+    start_room(1)
+    raw.answer_ping()
+    wait_for(lambda: sender.stats["writes_held"] == 1, 5, "the write to be given up on")
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"Mooncake still holds writes given up on \(rooms 1\)"):
+        sender.pause()
+    assert time.monotonic() - started < 1
+    transport.release.set()
+    assert raw.expect().status == KVPoll.Failed
+    sender.pause(timeout=5)  # settled: nothing in flight
 
 
 def test_destinations_with_unequal_allocations_get_the_same_round() -> None:

@@ -235,6 +235,21 @@ def test_suspend_waits_for_the_write_and_a_restored_room_is_rebound_by_a_resume(
     assert restored.r.phase == P.READY and [d.session_id for d in restored.r.dsts] == ["s2"]
 
 
+def test_a_suspend_of_a_draining_room_is_acked_once_its_write_settled() -> None:
+    """A write given up on while Mooncake holds it: the suspend ack would let the language side
+    checkpoint the room and free its blocks, so it waits, as the abort ack does."""
+    d = Driver()
+    d.send(ev.Init(dst("s1", 64), 1))
+    d.send(ev.Handover(embedding(100)))
+    d.start_move()
+    d.finish_move()  # the first round's write is in flight
+    d.send(ev.Fail(FailureKind.TRANSFER, "write of 1 part(s) not settled after 10.0s"))
+    assert d.r.phase == P.DRAINING
+    assert not of(d.send(ev.Suspend(SuspendMsg(7, "10.0.0.1", 7001, 1))), ev.SendAck)
+    effects = d.land(0)
+    assert d.r.phase == P.FAILED and ev.SendAck("10.0.0.1", 7001, SuspendAckMsg(7, 1)) in of(effects, ev.SendAck)
+
+
 def test_waits_time_out_with_their_reason() -> None:
     d = Driver()
     d.now = TIMEOUTS.bootstrap + 1

@@ -11,6 +11,7 @@ from test_faults import start_room, wait_for
 from connector.allocator import BlockAllocator
 from connector.bootstrap import BootstrapServer
 from connector.buffers import BufferPool
+from connector.failures import FailureKind
 from connector.messages import (
     InitMsg,
     StatusMsg,
@@ -155,8 +156,33 @@ def test_an_encoder_that_never_acks_the_suspend_is_aborted_and_the_pool_can_stil
         kinds = [type(decode_encoder_bound(encoder_pull.recv_multipart())).__name__ for _ in range(4)]
         assert kinds == ["RegisterMsg", "InitMsg", "SuspendMsg", "AbortMsg"]
         lang.manager.detach_pool()  # raised "blocks still in use" before the suspend waited for them
-        assert lang.allocator.all_free()  # deregistered: nothing can land in them any more
+        assert lang.allocator.all_free()  # deregistered, and its memory set aside: a late write lands unread
+        assert [pool for pool, _ in lang.manager._retired_pools] == [lang.pool]
         lang.manager.attach_pool(lang.pool, lang.allocator)
+    finally:
+        bootstrap.close()
+        encoder_pull.close(0)
+        ctx.term()
+
+
+def test_a_restarted_encoder_frees_the_blocks_of_rooms_aborted_at_its_old_process(make_language) -> None:
+    """An abort the old process never acked: once another process answers at its address, nothing
+    of the old one can land, so the room's blocks come back then, not after --unacked-block-hold."""
+    lang = make_language(abort_ack_timeout=0.5, heartbeat_interval=0.5)
+    ctx = zmq.Context()
+    encoder_pull = ctx.socket(zmq.PULL)  # takes every message, answers none
+    encoder_port = encoder_pull.bind_to_random_port("tcp://127.0.0.1")
+    bootstrap = BootstrapServer("127.0.0.1", 0)
+    bootstrap.put_route(1, 1, "127.0.0.1", encoder_port, 0)
+    try:
+        receiver = lang.manager.create_receiver(f"127.0.0.1:{bootstrap.port}", 42)
+        receiver.init(lang.allocator.allocate(4))
+        receiver.abort(FailureKind.CANCELLED, "the client went away")
+        wait_for(lambda: receiver.machine.unacked, 10, "the ack wait to pass")
+        assert not lang.allocator.all_free()
+        bootstrap.incarnation = "another-process"  # restarted at the same address
+        wait_for(lang.allocator.all_free, 10, "the blocks of the room aborted at the old process")
+        assert lang.manager.stats["peer_restarted"] == 1
     finally:
         bootstrap.close()
         encoder_pull.close(0)
