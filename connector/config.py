@@ -16,6 +16,7 @@ from typing import Any
 
 from connector.buffers import DTYPE_SIZES, BufferPool
 
+ZERO_ALLOWED = frozenset({"unacked_block_hold"})  # settings whose 0 means "off"
 MIN_SECRET_CHARS = 16
 TYPES = {"int": int, "float": float, "str": str}  # field annotations are strings (postponed)
 
@@ -117,13 +118,17 @@ class ConnectorConfig:
         help="language side: an aborted or suspended room waits this long plus its blocks' size at --min-link-rate "
              "for its encoder's acknowledgement; then that encoder counts as dead for the room (and the blocks wait "
              "up to --unacked-block-hold more)")
-    # Past the ack timeout the blocks stay out of use: an encoder cut off by a partition may have
-    # a write queued in Mooncake that lands when the link returns; it acks only once that write
-    # has settled (sender.HELD_WRITE_MAX_S, 180 s, at most), so the ack frees them.
+    # Past the ack timeout the blocks may be kept out of use longer: an encoder cut off by a
+    # partition may have a write queued in Mooncake that lands when the link returns (it acks
+    # only once that write settled). Off by default: a partitioned encoder's blocks then starve
+    # the failover of its rooms to the other encoders (measured: a 16-client cut with a hold got
+    # 503 for every client once the pool was full).
     unacked_block_hold: float = setting(
-        300.0, flag="--unacked-block-hold", env="SGLANG_EMBEDDING_UNACKED_BLOCK_HOLD", metavar="SECONDS",
-        help="language side: after --abort-ack-timeout an aborted room's blocks are still kept out of use until its "
-             "encoder acknowledges (it does once no write of it can land) or is found gone, or this much longer")
+        0.0, flag="--unacked-block-hold", env="SGLANG_EMBEDDING_UNACKED_BLOCK_HOLD", metavar="SECONDS",
+        help="language side: after --abort-ack-timeout keep an aborted room's blocks out of use until its encoder "
+             "acknowledges (it does once no write of it can land) or is found gone, at most this much longer "
+             "(0: free them then; a late write of a partitioned encoder may land in them, but the pool stays free "
+             "for failover)")
     min_link_rate: float = setting(
         50e6, flag="--min-link-rate", env="SGLANG_EMBEDDING_MIN_LINK_RATE", metavar="BYTES_PER_S",
         help="the least rate one embedding write gets on the link (set it alike on both sides): the encode side "
@@ -174,7 +179,7 @@ class ConnectorConfig:
             value = getattr(self, f.name)
             if TYPES.get(str(f.type)) is int and value <= 0:
                 raise ValueError(f"{f.name} must be positive, got {value}")
-            if TYPES.get(str(f.type)) is float and value <= 0:
+            if TYPES.get(str(f.type)) is float and (value < 0 if f.name in ZERO_ALLOWED else value <= 0):
                 raise ValueError(f"{f.name} must be a positive number of seconds, got {value}")
         secret = self.control_secret
         if secret and (len(secret) < MIN_SECRET_CHARS or not secret.isascii() or not secret.isprintable()

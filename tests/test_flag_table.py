@@ -66,7 +66,7 @@ def test_the_table_keeps_every_name_and_default() -> None:
         "heartbeat_interval": ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "--heartbeat-interval", 5.0),
         "heartbeat_max_failures": ("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "--heartbeat-max-failure", 2),
         "abort_ack_timeout": ("SGLANG_EMBEDDING_ABORT_ACK_TIMEOUT", "--abort-ack-timeout", 15.0),
-        "unacked_block_hold": ("SGLANG_EMBEDDING_UNACKED_BLOCK_HOLD", "--unacked-block-hold", 300.0),
+        "unacked_block_hold": ("SGLANG_EMBEDDING_UNACKED_BLOCK_HOLD", "--unacked-block-hold", 0.0),
         "min_link_rate": ("SGLANG_EMBEDDING_MIN_LINK_RATE", "--min-link-rate", 50e6),
         "transfer_workers": ("SGLANG_EMBEDDING_TRANSFER_WORKERS", None, 2),
         "max_sleep": ("SGLANG_EMBEDDING_MAX_SLEEP", "--max-sleep", 3600.0),

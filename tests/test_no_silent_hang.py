@@ -7,11 +7,10 @@ own server as the language worker, the seeded model; SGLang's server started onc
 
 The bound, per request: ``2 x`` the slowest answer without a fault (the surviving encoder
 carries the failed one's parts too) ``+ ATTEMPTS x DETECT`` (each attempt of a part is known
-failed within ``DETECT`` of the fault and sent again at once) ``+ ACK`` (``--abort-ack-timeout``;
-the blocks of rooms a frozen encoder may still write into stay out of use until it acks once
-it runs again, or ``--unacked-block-hold``: the language pool here holds the re-sent parts
-beside them) ``+`` the time the language worker itself was frozen ``+ SLACK`` for a loaded
-2-core machine.
+failed within ``DETECT`` of the fault and sent again at once) ``+ ACK`` (the blocks of rooms a
+frozen encoder may still write into come back with its ack or after ``--abort-ack-timeout``;
+a full pool makes the re-sent parts wait for them) ``+`` the time the language worker itself
+was frozen ``+ SLACK`` for a loaded 2-core machine.
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def test_a_suspend_during_the_last_round_is_acked_after_its_success(make_peer, r
 def test_an_encoder_that_never_acks_the_suspend_is_aborted_and_the_pool_can_still_be_released(make_language) -> None:
     """A fake encoder that takes every message and answers none: sleep must still get every block back
     (those of the unacked abort stay out of use until the pool is deregistered: nothing lands then)."""
-    lang = make_language(abort_ack_timeout=1.0)
+    lang = make_language(abort_ack_timeout=1.0, unacked_block_hold=300.0)
     ctx = zmq.Context()
     encoder_pull = ctx.socket(zmq.PULL)
     encoder_port = encoder_pull.bind_to_random_port("tcp://127.0.0.1")
@@ -168,7 +168,7 @@ def test_an_encoder_that_never_acks_the_suspend_is_aborted_and_the_pool_can_stil
 def test_a_restarted_encoder_frees_the_blocks_of_rooms_aborted_at_its_old_process(make_language) -> None:
     """An abort the old process never acked: once another process answers at its address, nothing
     of the old one can land, so the room's blocks come back then, not after --unacked-block-hold."""
-    lang = make_language(abort_ack_timeout=0.5, heartbeat_interval=0.5)
+    lang = make_language(abort_ack_timeout=0.5, heartbeat_interval=0.5, unacked_block_hold=300.0)
     ctx = zmq.Context()
     encoder_pull = ctx.socket(zmq.PULL)  # takes every message, answers none
     encoder_port = encoder_pull.bind_to_random_port("tcp://127.0.0.1")
