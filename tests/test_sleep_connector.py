@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -134,17 +136,28 @@ def test_a_suspend_during_the_last_round_is_acked_after_its_success(make_peer, r
     assert isinstance(second, SuspendAckMsg), second
 
 
-@pytest.mark.serial
-def test_an_encoder_that_never_acks_the_suspend_is_aborted_and_the_pool_can_still_be_released(make_language) -> None:
-    """A fake encoder that takes every message and answers none: sleep must still get every block back
-    (those of the unacked abort stay out of use until the pool is deregistered: nothing lands then)."""
-    lang = make_language(abort_ack_timeout=1.0, unacked_block_hold=300.0)
+@contextlib.contextmanager
+def silent_encoder() -> Iterator[tuple[BootstrapServer, zmq.Socket]]:
+    """An encoder's bootstrap and a PULL socket at its route that takes every message and answers none."""
     ctx = zmq.Context()
     encoder_pull = ctx.socket(zmq.PULL)
     encoder_port = encoder_pull.bind_to_random_port("tcp://127.0.0.1")
     bootstrap = BootstrapServer("127.0.0.1", 0)
     bootstrap.put_route(1, 1, "127.0.0.1", encoder_port, 0)
     try:
+        yield bootstrap, encoder_pull
+    finally:
+        bootstrap.close()
+        encoder_pull.close(0)
+        ctx.term()
+
+
+@pytest.mark.serial
+def test_an_encoder_that_never_acks_the_suspend_is_aborted_and_the_pool_can_still_be_released(make_language) -> None:
+    """A fake encoder that takes every message and answers none: sleep must still get every block back
+    (those of the unacked abort stay out of use until the pool is deregistered: nothing lands then)."""
+    lang = make_language(abort_ack_timeout=1.0, unacked_block_hold=300.0)
+    with silent_encoder() as (bootstrap, encoder_pull):
         receiver = lang.manager.create_receiver(f"127.0.0.1:{bootstrap.port}", 41)
         receiver.init(lang.allocator.allocate(4))
         started = time.monotonic()
@@ -159,22 +172,13 @@ def test_an_encoder_that_never_acks_the_suspend_is_aborted_and_the_pool_can_stil
         assert lang.allocator.all_free()  # deregistered, and its memory set aside: a late write lands unread
         assert [pool for pool, _ in lang.manager._retired_pools] == [lang.pool]
         lang.manager.attach_pool(lang.pool, lang.allocator)
-    finally:
-        bootstrap.close()
-        encoder_pull.close(0)
-        ctx.term()
 
 
 def test_a_restarted_encoder_frees_the_blocks_of_rooms_aborted_at_its_old_process(make_language) -> None:
     """An abort the old process never acked: once another process answers at its address, nothing
     of the old one can land, so the room's blocks come back then, not after --unacked-block-hold."""
     lang = make_language(abort_ack_timeout=0.5, heartbeat_interval=0.5, unacked_block_hold=300.0)
-    ctx = zmq.Context()
-    encoder_pull = ctx.socket(zmq.PULL)  # takes every message, answers none
-    encoder_port = encoder_pull.bind_to_random_port("tcp://127.0.0.1")
-    bootstrap = BootstrapServer("127.0.0.1", 0)
-    bootstrap.put_route(1, 1, "127.0.0.1", encoder_port, 0)
-    try:
+    with silent_encoder() as (bootstrap, _):
         receiver = lang.manager.create_receiver(f"127.0.0.1:{bootstrap.port}", 42)
         receiver.init(lang.allocator.allocate(4))
         receiver.abort(FailureKind.CANCELLED, "the client went away")
@@ -183,7 +187,3 @@ def test_a_restarted_encoder_frees_the_blocks_of_rooms_aborted_at_its_old_proces
         bootstrap.incarnation = "another-process"  # restarted at the same address
         wait_for(lang.allocator.all_free, 10, "the blocks of the room aborted at the old process")
         assert lang.manager.stats["peer_restarted"] == 1
-    finally:
-        bootstrap.close()
-        encoder_pull.close(0)
-        ctx.term()
