@@ -40,6 +40,7 @@ import asyncio
 import dataclasses
 import faulthandler
 import logging
+import os
 import signal
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _pending: argparse.Namespace | None = None  # our flags, until this process's tokenizer manager starts
+PRECOMPUTE_HASH_ENV = "SGLANG_MM_PRECOMPUTE_HASH"  # SGLang's: where an item's embedding is hashed (see arm)
 
 
 @dataclasses.dataclass
@@ -101,6 +103,11 @@ def arm(ours: argparse.Namespace) -> None:
         BootstrapAllowList(ours.allowed_bootstrap_hosts, ours.encoder_urls or [])  # each URL checked too
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    # SGLang hashes each item's embedding (its radix-cache key) in the scheduler's loop unless
+    # this is set: there a 3840x2160 image's 75.6 MB held up every decoding stream for the hash's
+    # time. Set, the tokenizer manager hashes in its own threads before it sends the request on
+    # (the same hash); a value the user set is kept.
+    os.environ.setdefault(PRECOMPUTE_HASH_ENV, "1")
     _pending = ours
 
 

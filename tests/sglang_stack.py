@@ -4,11 +4,14 @@ server, the connector between) share: the launcher, the prompt, the images and t
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import requests
+import torch
 from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs
 from transfer_large_image import make_image
 from workers import SGLANG_LAUNCH, WorkerProcess, start_together  # noqa: F401  (the modules import them here)
@@ -101,21 +104,11 @@ def generate_as_reference(language: WorkerProcess, paths: list[str], rid: str, r
     return body
 
 
-def image_reference(folder: str, model):
+def image_reference(folder: str, model=None):
     """``greedy(paths, new_tokens)``: transformers' monolithic greedy ids (a ``monolithic.Greedy``)
-    of :func:`prompt` with ``paths``, from the pixels, by ``model`` (Qwen2.5-VL on ``folder``)."""
-    from PIL import Image
-    from transformers import AutoTokenizer
-
-    from embedding_side.encoders import QwenVisionEncoder
-
-    encoder, tokenizer = QwenVisionEncoder(folder), AutoTokenizer.from_pretrained(folder)
-
-    def greedy(paths: list[str], new_tokens: int = NEW_TOKENS) -> Greedy:
-        pictures = [Image.open(p).convert("RGB") for p in paths]
-        return greedy_generate(model, reference_inputs(encoder, tokenizer, prompt(len(paths)), pictures), new_tokens)
-
-    return greedy
+    of :func:`prompt` with ``paths``, from the pixels: :func:`text_reference` on that prompt."""
+    greedy = text_reference(folder, model)
+    return lambda paths, new_tokens=NEW_TOKENS: greedy(prompt(len(paths)), paths, new_tokens)
 
 
 # ---- what test_openai_api and test_no_silent_hang share: several workers, the connector's state ----
@@ -210,19 +203,62 @@ def connector_address(language: WorkerProcess) -> tuple[str, int, str]:
     raise AssertionError("the language server's log does not say where its connector listens")
 
 
-def text_reference(folder: str, model):
+def text_reference(folder: str, model=None):
     """``greedy(text, paths, new_tokens)``: transformers' monolithic greedy ids (a
     ``monolithic.Greedy``) of the prompt ``text`` (one ``<|image_pad|>`` per image of ``paths``),
-    from the pixels, by ``model`` (Qwen2.5-VL on ``folder``): :func:`image_reference` for any prompt."""
+    from the pixels, by ``model`` (Qwen2.5-VL on ``folder``, loaded at the first computation when
+    None). Each answer is kept beside the checkpoint for the test session (every module and
+    xdist worker computes a prompt, images and length once; see :class:`ReferenceCache`)."""
     from PIL import Image
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     from embedding_side.encoders import QwenVisionEncoder
 
-    encoder, tokenizer = QwenVisionEncoder(folder), AutoTokenizer.from_pretrained(folder)
+    cache, tools = ReferenceCache(folder), {}
+
+    def compute(text: str, paths: list[str], new_tokens: int) -> Greedy:
+        if not tools:
+            tools["encoder"], tools["tokenizer"] = QwenVisionEncoder(folder), AutoTokenizer.from_pretrained(folder)
+            tools["model"] = model or Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
+        pictures = [Image.open(p).convert("RGB") for p in paths]
+        inputs = reference_inputs(tools["encoder"], tools["tokenizer"], text, pictures)
+        return greedy_generate(tools["model"], inputs, new_tokens)
 
     def greedy(text: str, paths: list[str], new_tokens: int = NEW_TOKENS) -> Greedy:
-        pictures = [Image.open(p).convert("RGB") for p in paths]
-        return greedy_generate(model, reference_inputs(encoder, tokenizer, text, pictures), new_tokens)
+        return cache.get(text, paths, new_tokens, lambda: compute(text, paths, new_tokens))
 
     return greedy
+
+
+class ReferenceCache:
+    """Reference generations of one checkpoint folder, in files beside it: the key is the sha256 of
+    the checkpoint's files (names, sizes, mtimes, its config), the prompt, the images' bytes and
+    the length, so a changed input is a new entry. The seeded checkpoints are written once per
+    test session in a folder every xdist worker shares; a worker computing an entry holds its
+    lock, and one that needs it meanwhile waits for it instead of computing it again."""
+
+    def __init__(self, folder: str) -> None:
+        self.root = Path(folder).parent / f"{Path(folder).name}.references"
+        self.root.mkdir(exist_ok=True)
+        checkpoint = hashlib.sha256()
+        for file in sorted(Path(folder).iterdir()):
+            stat = file.stat()
+            checkpoint.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+        checkpoint.update((Path(folder) / "config.json").read_bytes())
+        self.checkpoint = checkpoint.hexdigest()
+
+    def get(self, text: str, paths: list[str], new_tokens: int, compute) -> Greedy:
+        key = hashlib.sha256(f"{self.checkpoint}|{new_tokens}|{text}".encode())
+        for path in paths:
+            key.update(hashlib.sha256(Path(path).read_bytes()).digest())
+        entry = self.root / f"{key.hexdigest()}.npz"
+        with open(entry.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if entry.exists():
+                with np.load(entry, allow_pickle=False) as saved:
+                    return Greedy(saved["ids"].tolist(), torch.from_numpy(saved["logprobs"]))
+            answer = compute()
+            partial = entry.with_suffix(".partial.npz")
+            np.savez(partial, ids=np.asarray(answer.ids, dtype=np.int64), logprobs=answer.logprobs.float().numpy())
+            partial.rename(entry)
+            return answer

@@ -45,7 +45,6 @@ from sglang_stack import (
     write_images,
 )
 from transfer_large_image import make_image
-from transformers import Qwen2_5_VLForConditionalGeneration
 from workers import ROOT, SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, free_port, start_together
 
 from connector.zmq_link import PushSockets
@@ -90,7 +89,7 @@ def images(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def reference(folder):
-    return image_reference(folder, Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval())
+    return image_reference(folder)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 # process parses every case (an import of SGLang costs seconds): a JSON line per case with its
 # exit code and what it printed.
 PARSE = """
-import contextlib, io, json, sys
+import contextlib, io, json, os, sys
 from sglang.srt.plugins import load_plugins
 load_plugins()
 import sglang_ext.launch_server as launcher
@@ -28,11 +28,13 @@ launcher.run = lambda args: print("WORKER " + json.dumps(vars(args), sort_keys=T
 from sglang.srt.server_args import prepare_server_args
 for case, argv in json.loads(sys.argv[1]).items():
     out, err, code = io.StringIO(), io.StringIO(), 0
+    os.environ.pop("SGLANG_MM_PRECOMPUTE_HASH", None)  # each case sees what it sets itself
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             server_args = prepare_server_args(argv)
             print("SGLANG " + json.dumps({k: repr(getattr(server_args, k)) for k in
                                           sorted(type(server_args).__struct_fields__) if not k.startswith("_")}))
+            print("ENV " + json.dumps({"SGLANG_MM_PRECOMPUTE_HASH": os.environ.get("SGLANG_MM_PRECOMPUTE_HASH")}))
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
             print(exc.code if not isinstance(exc.code, int) else "", file=err)
@@ -179,6 +181,16 @@ def test_on_a_cpu_small_requests_do_not_wait_for_big_ones(parsed) -> None:
     sglang = line(parsed["default-mode"].stdout, "SGLANG")
     assert {k: sglang[k] for k in ("sleep_on_idle", "enable_mixed_chunk")} == {
         "sleep_on_idle": "True", "enable_mixed_chunk": "True"}
+
+
+def test_the_language_mode_hashes_embeddings_outside_the_scheduler(parsed) -> None:
+    """SGLang hashes an item's embedding (its radix-cache key) in the scheduler's loop, stalling
+    every decoding stream, unless SGLANG_MM_PRECOMPUTE_HASH moves it to the tokenizer manager's
+    threads: our language mode sets it; SGLang's own modes are left as they are."""
+    for mode in LANGUAGE_MODES:
+        assert line(parsed[f"default-{mode}"].stdout, "ENV") == {"SGLANG_MM_PRECOMPUTE_HASH": "1"}
+    for mode in SGLANG_MODES:
+        assert line(parsed[f"sglang-{mode}"].stdout, "ENV") == {"SGLANG_MM_PRECOMPUTE_HASH": None}
 
 
 def test_our_old_launcher_is_an_alias_of_sglangs() -> None:

@@ -19,7 +19,7 @@ from fork_peers import ForkEncoder
 from monolithic import greedy_mismatch
 from sglang_stack import NEW_TOKENS, generate, image_reference, prompt, write_images
 from transfer_large_image import make_image
-from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+from transformers import AutoTokenizer
 from workers import WorkerProcess, start_together
 
 from connector.buffers import Embedding
@@ -56,7 +56,7 @@ def workers(folder):
 
 @pytest.fixture(scope="module")
 def reference(folder):
-    return image_reference(folder, Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval())
+    return image_reference(folder)
 
 
 def named(encode: WorkerProcess, rid: str, room: int, images: int, new_tokens: int = NEW_TOKENS) -> dict:
