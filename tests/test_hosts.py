@@ -48,6 +48,7 @@ from transfer_large_image import make_image
 from workers import ROOT, SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, free_port, start_together
 
 from connector.zmq_link import PushSockets
+from sglang_ext.language_flags import cpu_kv_tokens
 
 pytestmark = [pytest.mark.hosts, pytest.mark.sglang]
 
@@ -107,9 +108,10 @@ def cluster(net, folder) -> dict[str, WorkerProcess]:
                                      command=LAUNCHERS[host.name], env=GUARDED, timeout=300)
 
     def language(host):
-        # The second language host runs SGLang's warm-up (a generation at start, over its own
-        # address: it binds every interface), as a server started on SGLang's defaults does.
-        flags = [flag for flag in LANGUAGE_FLAGS if host.name == "language" or flag != "--skip-server-warmup"]
+        # The second language host starts as a user's would: SGLang's warm-up (a generation at
+        # start, over its own address: it binds every interface) and this mode's KV pool size
+        # (no --max-total-tokens).
+        flags = LANGUAGE_FLAGS if host.name == "language" else ()
         return lambda: WorkerProcess("language", "--model-path", folder, *flags, "--admin-api-key", ADMIN_KEY,
                                      *HEARTBEATS, "--image-embedding-cache-bytes", "0", "--encoder-urls", *urls,
                                      "--allowed-bootstrap-hosts", *(e.address for e in encoders), host=host.address, bind=ANY, netns=host.netns,
@@ -155,13 +157,16 @@ def test_every_address_a_worker_gives_a_peer_is_its_own_hosts(net, workers) -> N
     assert started and f"zmq=tcp://{language_address}:" in started[0] and f"mooncake={language_address}:" in started[0]
 
 
-def test_the_language_server_started_with_sglangs_warm_up_served_it_before_saying_ready(cluster) -> None:
+def test_the_language_server_started_with_sglangs_warm_up_served_it_before_saying_ready(cluster, folder) -> None:
     """The second language host runs SGLang's warm-up (the first skips it, as the other tests'
     servers do): bound to every interface, the server's text generation to itself was answered
-    200 before it logged that it serves."""
+    200 before it logged that it serves. Started without ``--max-total-tokens``, its KV pool is
+    the one this mode picks on a CPU, and it says so."""
     log = cluster["language2"].log
     ready = next(i for i, line in enumerate(log) if SGLANG_READY in line)
     assert any('"POST /generate HTTP/1.1" 200' in line for line in log[:ready]), "".join(log[max(0, ready - 20):ready])
+    budget = cpu_kv_tokens(folder)
+    assert any("this mode's CPU default" in line and f"{budget.tokens} tokens" in line for line in log)
 
 
 @pytest.mark.parametrize("size", ["448x448", "3840x2160"])
