@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import requests
 import torch
+from image_cache import saved_image
 from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs
-from transfer_large_image import make_image
 from workers import SGLANG_LAUNCH, WorkerProcess, start_together  # noqa: F401  (the modules import them here)
 
 NEW_TOKENS = 12
@@ -29,11 +29,8 @@ SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "3840x2160": (3840, 2
 
 def write_images(root: Path) -> dict[str, str]:
     """One image of each of :data:`SIZES` and a 640x336 ``other``, as PNG files under ``root``."""
-    paths = {}
-    for i, (name, (w, h)) in enumerate([*SIZES.items(), ("other", (640, 336))]):
-        paths[name] = str(root / f"{name}.png")
-        make_image(w, h, seed=60 if name == "other" else 40 + i).save(paths[name])
-    return paths
+    return {name: saved_image(root / f"{name}.png", w, h, seed=60 if name == "other" else 40 + i)
+            for i, (name, (w, h)) in enumerate([*SIZES.items(), ("other", (640, 336))])}
 
 
 def write_clips(root: Path) -> dict[str, str]:

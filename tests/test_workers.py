@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from image_cache import saved_image
 from PIL import Image
 from transfer_large_image import make_image, run_request
 from workers import InProcessWorker, WorkerProcess, start_together
@@ -102,13 +103,9 @@ def pools_free_after(request):
 def images(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("images")
     sizes = {"4k": (3840, 2160), "2k": (2048, 2048), "1k": (1024, 1024), "small": (448, 448), "odd": (1000, 300)}
-    out = {}
-    for name, (w, h) in sizes.items():
-        out[name] = str(root / f"{name}.png")
-        make_image(w, h, seed=len(out)).save(out[name])
+    out = {name: saved_image(root / f"{name}.png", w, h, seed=seed) for seed, (name, (w, h)) in enumerate(sizes.items(), 1)}
     for i in range(4):
-        out[f"hd{i}"] = str(root / f"hd{i}.jpg")
-        make_image(1920, 1080, seed=100 + i).save(out[f"hd{i}"], quality=90)
+        out[f"hd{i}"] = saved_image(root / f"hd{i}.jpg", 1920, 1080, seed=100 + i, quality=90)
     return out
 
 
