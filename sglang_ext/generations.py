@@ -12,8 +12,9 @@ SGLang again as its prompt followed by the ids so far (what SGLang's own retract
 with the rest of its token budget; its embedding comes from the checkpoint, or, for a request
 whose images were still at the encoders, they are encoded again (an encoder ends a room whose
 ``/encode`` caller went away, and the process that called died). A client asking again by rid (native ``/generate``, streamed or not) gets the
-whole output: the ids from before the restart, then the rest. A result nobody asks for within
-``UNCLAIMED_SECONDS`` is forgotten.
+whole output: the ids from before the restart, then the rest. Each choice of an ``n>1`` request
+is one generation under the rid SGLang gave it (its ``meta_info["id"]``), with its prompt's
+embedding. A result nobody asks for within ``UNCLAIMED_SECONDS`` is forgotten.
 
 The file is input like any other: every field is checked (types, token ids within the
 vocabulary, the embedding's width) and one bad entry refuses the whole checkpoint.
@@ -76,9 +77,12 @@ def snapshot(manager, receiver) -> list[SavedGeneration]:
         if obj.video_data or obj.audio_data:
             log.warning("rid=%s: a request with videos or audio is not kept across a restart (images only)", rid)
             continue
-        rows, grids = receiver.inputs_of(rid)
-        saved.append(SavedGeneration(rid, prompt_ids, list(state.output_ids), dict(obj.sampling_params or {}),
-                                     media_sources(obj.image_data), rows, grids))
+        rows, grids = receiver.inputs_of(rid, obj.image_data)
+        # each choice of an n>1 request is saved as one generation: submitted again with its n,
+        # it would be n generations
+        params = {key: value for key, value in (obj.sampling_params or {}).items() if key != "n"}
+        saved.append(SavedGeneration(rid, prompt_ids, list(state.output_ids), params, media_sources(obj.image_data),
+                                     rows, grids))
     return saved
 
 

@@ -116,9 +116,10 @@ class ResumableReceiver:
         self.limits = limits or {}
         self._embedding: dict[str, asyncio.Task] = {}  # rid -> its images at the encoders
         # Until its request ends (see annotated), by rid: TRANSFER_META of its images, and their rows
-        # (uint8, bf16 bits) and grids, which a disk checkpoint keeps of a generation
+        # (uint8, bf16 bits), grids and the request's image_data list, which a disk checkpoint keeps
+        # of a generation (the list: SGLang's copies of an n>1 request share it, see inputs_of)
         self._transfer_meta: dict[str, dict] = {}
-        self._inputs: dict[str, tuple[np.ndarray, list]] = {}
+        self._inputs: dict[str, tuple[np.ndarray, list, Any]] = {}
         self._restored: dict[str, tuple[np.ndarray, list]] = {}  # rid -> its images' rows and grids, from disk
         # The image_data a two-request /generate is given (language_server.name_room), so that
         # SGLang hands it here: unguessable, so no client's image reference is taken for it
@@ -159,7 +160,7 @@ class ResumableReceiver:
             raise EmbeddingUnavailable(400, f"the prompt's placeholders do not match its {counts}: {exc}") from None
         meta = _joined_meta([part.meta for part in embedded.values()])
         if self.keep_inputs and list(embedded) == ["image"]:
-            self._inputs[rid] = (embedded["image"].rows, embedded["image"].grids)
+            self._inputs[rid] = (embedded["image"].rows, embedded["image"].grids, request_obj.image_data)
         self._transfer_meta[rid] = {key: meta[key] for key in TRANSFER_META if key in meta}
         log.info("rid=%s: %s tokens from %s, %d resume rounds, transfer %.0f ms, %d cached image(s); SGLang's inputs "
                  "built in %.0f ms", rid, ", ".join(f"{len(part.rows)} {kind}" for kind, part in embedded.items()),
@@ -243,9 +244,13 @@ class ResumableReceiver:
             return self._transfer_meta.get(str(rids[index // choices]))
         return None
 
-    def inputs_of(self, rid: str) -> tuple[np.ndarray | None, list]:
-        """The rows and grids of ``rid``'s images, once received (``(None, [])`` before)."""
-        return self._inputs.get(rid, (None, []))
+    def inputs_of(self, rid: str, image_data: Any = None) -> tuple[np.ndarray | None, list]:
+        """The rows and grids of ``rid``'s images, once received (``(None, [])`` before). A choice
+        of an ``n>1`` request has a rid of its own (SGLang's) and its prompt's ``image_data``
+        list itself (SGLang copies the request shallowly): it gets its prompt's."""
+        kept = self._inputs.get(rid) or next((entry for entry in self._inputs.values()
+                                              if image_data is not None and entry[2] is image_data), None)
+        return (kept[0], kept[1]) if kept else (None, [])
 
     def restore(self, rid: str, rows: np.ndarray, grids: list) -> None:
         """``rid``'s images as a disk checkpoint kept them, for its request submitted again."""

@@ -36,6 +36,7 @@ from sglang_stack import (
     generate_as_reference,
     generate_videos,
     image_reference,
+    metric,
     prompt,
     smg_gateway,
     write_clips,
@@ -654,9 +655,10 @@ def test_smg_in_front_of_two_language_workers_answers_as_they_do(workers, folder
 
 def test_a_language_server_killed_asleep_restarts_from_disk_and_its_requests_go_on(workers, images, reference) -> None:
     """``/sleep?level=2&preserve_state=true`` with ``--checkpoint-dir`` while one stream decodes and
-    a 4K image is still at the encoder, then kill -9 and a start on the same folder: the server
-    boots asleep (a new request gets 503), and after ``/wake_up`` both go on; each client asking
-    again by rid gets the whole output. The server starts on SGLang's defaults: its warm-up (a
+    a 4K image is still at the encoder and the two choices of an ``n=2`` request decode, then kill
+    -9 and a start on the same folder: the server boots asleep (a new request gets 503), and after
+    ``/wake_up`` all go on; each client asking again by rid (a choice: by its own) gets the whole
+    output, and the choices' image is not encoded again. The server starts on SGLang's defaults: its warm-up (a
     generation, which a sleeping server refuses, and whose failure ended SGLang's server) is
     skipped when it starts asleep. The 4K answer equals monolithic; the stream's ids begin
     with those sent before the kill and, for the first 12, with monolithic's (longer greedy runs
@@ -676,6 +678,17 @@ def test_a_language_server_killed_asleep_restarts_from_disk_and_its_requests_go_
             before = event["output_ids"] if len(event["output_ids"]) > len(before) else before + event["output_ids"]
             if len(before) >= 3:
                 break
+    # an n=2 request decoding too: each choice (a rid of SGLang's, in its meta_info) is kept with
+    # the embedding the request received, and goes on as one generation
+    choices_body = {"rid": "restart-n2", "text": prompt(1), "image_data": images["other"], "stream": True,
+                    "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "n": 2}}
+    choices = requests.post(f"{language.url}/generate", stream=True, timeout=240, json=choices_body)
+    choice_lines, choice_rids = choices.iter_lines(), {}  # kept, as above
+    for line in choice_lines:
+        if line.startswith(b"data: {") and (event := json.loads(line[6:]))["output_ids"]:
+            choice_rids[event["index"]] = event["meta_info"]["id"]
+            if len(choice_rids) == 2:
+                break
     with ThreadPoolExecutor(1) as pool:
         pool.submit(requests.post, f"{language.url}/generate", json=big_body, timeout=60)  # dies with the kill
         time.sleep(0.3)  # the encoder is still encoding it
@@ -684,7 +697,7 @@ def test_a_language_server_killed_asleep_restarts_from_disk_and_its_requests_go_
         slept = requests.post(f"{language.url}/sleep", params={"level": "2", "preserve_state": "true"}, timeout=120,
                               headers=ADMIN)
         assert slept.status_code == 200, slept.text
-        assert slept.json()["checkpointed_generations"] == 2 and slept.json()["kept_requests"] == 1, slept.json()
+        assert slept.json()["checkpointed_generations"] == 4 and slept.json()["kept_requests"] == 1, slept.json()
         for process in [*psutil.Process(language.proc.pid).children(recursive=True), psutil.Process(language.proc.pid)]:
             process.kill()
         language.proc.wait()
@@ -704,6 +717,15 @@ def test_a_language_server_killed_asleep_restarts_from_disk_and_its_requests_go_
     assert len(ids) == new_tokens and meta["completion_tokens"] == new_tokens, meta
     assert meta["restored_tokens"] >= len(before) and ids[:len(before)] == before
     assert greedy_mismatch(ids[:NEW_TOKENS], reference([images["448x448"]])) is None
+    for rid in choice_rids.values():  # each choice, asked for by its rid
+        choice = requests.post(f"{restarted.url}/generate", timeout=240, json={**choices_body, "rid": rid, "stream": False,
+                                                                              "sampling_params": {"max_new_tokens": 1}})
+        assert choice.status_code == 200, choice.text
+        ids, meta = choice.json()["output_ids"], choice.json()["meta_info"]
+        assert len(ids) == new_tokens and meta["restored_tokens"] >= 1, meta
+        assert greedy_mismatch(ids[:NEW_TOKENS], reference([images["other"]])) is None
+    # only the 4K image, still at the encoder at the sleep, was encoded again; the choices had theirs
+    assert metric(restarted, "epd_encoder_parts_total") == 1
     assert all_free(requests.get(f"{restarted.url}/epd/health", timeout=10).json())
     folder = Path(SECOND_ARGS[SECOND_ARGS.index("--checkpoint-dir") + 1])
     assert not any(folder.iterdir())  # every checkpoint consumed
