@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -211,15 +212,17 @@ def text_reference(folder: str, model=None):
 
     from embedding_side.encoders import QwenVisionEncoder
 
-    cache, tools = ReferenceCache(folder), {}
+    cache = ReferenceCache(folder)
+
+    @functools.cache
+    def loaded():  # noqa: ANN202 - the tower, the tokenizer and the model, at the first miss
+        return (QwenVisionEncoder(folder), AutoTokenizer.from_pretrained(folder),
+                model or Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval())
 
     def compute(text: str, paths: list[str], new_tokens: int) -> Greedy:
-        if not tools:
-            tools["encoder"], tools["tokenizer"] = QwenVisionEncoder(folder), AutoTokenizer.from_pretrained(folder)
-            tools["model"] = model or Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
+        encoder, tokenizer, reference_model = loaded()
         pictures = [Image.open(p).convert("RGB") for p in paths]
-        inputs = reference_inputs(tools["encoder"], tools["tokenizer"], text, pictures)
-        return greedy_generate(tools["model"], inputs, new_tokens)
+        return greedy_generate(reference_model, reference_inputs(encoder, tokenizer, text, pictures), new_tokens)
 
     def greedy(text: str, paths: list[str], new_tokens: int = NEW_TOKENS) -> Greedy:
         return cache.get(text, paths, new_tokens, lambda: compute(text, paths, new_tokens))
