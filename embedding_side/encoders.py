@@ -180,7 +180,8 @@ def small_tower_config(out_hidden_size: int = 3584) -> dict:
 
 
 class QwenVisionEncoder:
-    """transformers' Qwen2.5-VL vision tower, bf16, with the Qwen2-VL PIL image processor.
+    """transformers' Qwen2.5-VL vision tower, bf16 (its products on float32 copies on a CPU without
+    bf16 arithmetic: :mod:`sglang_ext.cpu_gemm`), with the Qwen2-VL PIL image processor.
 
     ``model_path`` is a checkpoint folder (``config.json`` + ``*.safetensors``); only its vision
     tower is built and loaded. Without it, a seeded small tower (:func:`small_tower_config`).
@@ -210,6 +211,8 @@ class QwenVisionEncoder:
         return self._fingerprint
 
     def _build(self):
+        from sglang_ext.cpu_gemm import use_float32_products
+
         torch = self._torch
         if self.model_path:
             vision_cfg, state = _load_checkpoint(Path(self.model_path))
@@ -233,6 +236,7 @@ class QwenVisionEncoder:
         for module, name, buffer in float32_buffers:
             module._buffers[name] = buffer.to(self.device)
         self._fingerprint = self._weights_fingerprint()
+        use_float32_products(model)  # on a CPU without bf16 arithmetic (sglang_ext/cpu_gemm.py)
         return model.eval()
 
     def _weights_fingerprint(self) -> str:

@@ -13,7 +13,8 @@ The language mode's hooks on SGLang's tokenizer manager live in
 :mod:`sglang_ext.language_server`; one more, in every mode, gives SGLang's ``torch_native``
 attention backend (the CPU one) an extend without padded queries
 (:mod:`sglang_ext.cpu_attention`), another SGLang's vision attention on a CPU a mask-free
-one (:mod:`sglang_ext.cpu_vision_attention`), one Qwen2-Audio's encoder the padding mask
+one (:mod:`sglang_ext.cpu_vision_attention`), one, on a CPU without bf16 arithmetic, its linear
+layers' bf16 products on float32 copies (:mod:`sglang_ext.cpu_gemm`), one Qwen2-Audio's encoder the padding mask
 upstream leaves out (:mod:`sglang_ext.qwen2_audio_mask`, on every device), and one leaves the
 language side's models without their vision or audio tower (:mod:`sglang_ext.no_encoder_tower`).
 
@@ -47,6 +48,7 @@ RESOLVED_DICT = "sglang.srt.server_args.ServerArgs.resolved_dict"  # what /serve
 TORCH_NATIVE_EXTEND = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
                        "_run_sdpa_forward_extend")
 VISION_SDPA = "sglang.srt.layers.attention.vision.VisionSdpaAttention.forward"  # the vision towers' CPU attention
+UNQUANTIZED_LINEAR = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"  # bf16 products on a CPU
 # Qwen2-Audio's encoder without its padding mask upstream (sglang_ext/qwen2_audio_mask.py)
 QWEN2_AUDIO_FEATURE = "sglang.srt.models.qwen2_audio.Qwen2AudioForConditionalGeneration.get_audio_feature"
 # every batch's sampling seeded per request (sglang_ext/seeds.py), in our language mode
@@ -82,6 +84,10 @@ def register() -> None:
         HookRegistry.register(f"{TOKENIZER_MANAGER}.{method}", _language_server_hook(name), HookType.AROUND)
     HookRegistry.register(TORCH_NATIVE_EXTEND, _around_torch_native_extend, HookType.AROUND)
     HookRegistry.register(VISION_SDPA, _around_vision_sdpa, HookType.AROUND)
+    from sglang_ext.cpu_gemm import around_unquantized_linear, slow_bf16
+
+    if slow_bf16():
+        HookRegistry.register(UNQUANTIZED_LINEAR, around_unquantized_linear, HookType.AROUND)
     HookRegistry.register(QWEN2_AUDIO_FEATURE, _around_qwen2_audio_feature, HookType.AROUND)
     HookRegistry.register(OPENAI_REQUEST, _language_server_hook("around_openai_request"), HookType.AROUND)
     HookRegistry.register(RESOLVED_DICT, _after_resolved_dict, HookType.AFTER)

@@ -246,3 +246,29 @@ def test_the_plugin_costs_nothing_in_other_sglang_processes() -> None:
     millis, new_modules = float(out[0]), out[1]
     assert millis < 50, f"register() took {millis} ms"
     assert not re.search(r"'(connector|embedding_side|language_side|torch|transformers|sglang_ext\.args)\b", new_modules)
+
+
+def test_on_a_cpu_without_bf16_arithmetic_sglangs_linear_layers_compute_in_float32() -> None:
+    """In a process that loaded the plugins as SGLang's launcher does (every mode: SGLang's own
+    monolithic server too, so a benchmark's two sides compute alike), SGLang's unquantized linear
+    layers take ``sglang_ext.cpu_gemm``'s product for many rows on such a CPU (this machine:
+    AVX2), and PyTorch's bf16 kernel for few rows."""
+    code = ("import json, torch, torch.nn.functional as F\n"
+            "from sglang.srt.plugins import load_plugins\n"
+            "load_plugins()\n"
+            "from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod\n"
+            "from sglang_ext import cpu_gemm\n"
+            "calls, product = [], cpu_gemm.linear\n"
+            "cpu_gemm.linear = lambda x, *rest: calls.append(x.shape[0]) or product(x, *rest)\n"
+            "layer = torch.nn.Module()\n"
+            "layer.weight = torch.nn.Parameter(torch.randn(80, 96).bfloat16(), requires_grad=False)\n"
+            "x = torch.randn(128, 96).bfloat16()\n"
+            "many, few = (UnquantizedLinearMethod().apply(layer, rows) for rows in (x, x[:8]))\n"
+            "print(json.dumps({'slow_bf16': cpu_gemm.slow_bf16(), 'calls': calls,\n"
+            "                  'many_float32': torch.equal(many, F.linear(x.float(), layer.weight.float()).bfloat16()),\n"
+            "                  'few_bf16_kernel': torch.equal(few, F.linear(x[:8], layer.weight))}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["slow_bf16"], "this machine has no bf16 arithmetic (AVX2): the test expects the float32 path"
+    assert seen == {"slow_bf16": True, "calls": [128], "many_float32": True, "few_bf16_kernel": True}
