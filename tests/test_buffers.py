@@ -136,3 +136,34 @@ def test_a_machine_without_a_gpu_driver_is_answered_without_importing_torch(monk
     assert buffers.cuda_present() is False
     assert BufferPool(2, 128, 64).pinned is False
     assert "torch" not in sys.modules
+
+
+def test_the_copy_for_sglang_carries_the_digest_of_its_own_bytes_whatever_lands_in_the_pool_meanwhile() -> None:
+    """Bytes can land in a room's blocks late (a write Mooncake gave up on, then retransmitted by
+    the kernel after a partition healed: docs/failure_bounds.md). The digest the language side
+    checks against the encoder's is of the rows SGLang gets, not of the pool they were copied from,
+    so such bytes fail the part (a digest mismatch, tried on another encoder) instead of reaching a
+    prefill. Here a thread keeps changing the pool's rows while they are consumed."""
+    import hashlib
+    import threading
+
+    from language_side.consumers import EmbeddingCopy
+
+    pool = BufferPool(8, 128, 2048)
+    pool.write(list(range(8)), synthetic_embedding(1000, 2048, "bfloat16", 1))
+    view = pool.view(list(range(8)), 1000)  # one run of blocks: the pool's own memory
+    assert view is not None
+    stop = threading.Event()
+
+    def land_late() -> None:
+        while not stop.is_set():
+            view.embeddings[:, :64] ^= 1
+
+    writer = threading.Thread(target=land_late)
+    writer.start()
+    try:
+        answers = [EmbeddingCopy().consume("r", view) for _ in range(60)]
+    finally:
+        stop.set()
+        writer.join()
+    assert all(answer["sha256"] == hashlib.sha256(answer["embedding"]).hexdigest() for answer in answers)
