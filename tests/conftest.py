@@ -158,18 +158,27 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("connector_kind", marker.args)
 
 
-# Seconds each of the slowest modules took in one serial run (2 cores), rounded. Under xdist's
-# --dist loadfile --no-loadscope-reorder a worker takes a whole module at a time, in collection
-# order: starting the long ones first keeps one worker from running the longest alone at the end.
-MODULE_SECONDS = {"test_benchmarks_smoke": 450, "test_sleep_workers": 290, "test_sglang_language": 250,
-                  "test_openai_api": 200, "test_no_silent_hang": 160, "test_workers": 130, "test_backpressure": 120,
-                  "test_faults_under_load": 110, "test_sglang_plugin": 80, "test_sglang_two_request": 80,
-                  "test_sglang_encoder": 90, "test_sglang_minimax": 60, "test_sglang_audio": 70,
-                  "test_hosts": 240}
+# The order xdist's two workers take modules in (--dist loadfile --no-loadscope-reorder: each takes
+# the next whole module when it is free), the rest after them in collection order. The suite is
+# CPU-bound: the two longest CPU-heavy modules each run beside modules that mostly wait (connector
+# tests over Mooncake, timeouts, serial fault tests: about 300 s of them beside each), then the
+# other heavy ones pair up, longest first, and the in-process modules fill the end. Before (longest
+# first, whatever its kind) the heavy modules ran two at a time on two cores for 14 minutes and
+# the waiting ones two at a time at the end, the cores 58% busy (session 18's timelines).
+MODULE_ORDER = (
+    "test_benchmarks_smoke",  # beside:
+    "test_control_plane", "test_transfer", "test_sleep_connector", "test_fork_wire",
+    "test_hosts",  # beside:
+    "test_faults", "test_sglang_encoder_units", "test_early_resume", "test_flow_control", "test_mooncake_partition",
+    "test_load", "test_sleep_and_stop_under_load", "test_backpressure", "test_faults_under_load",
+    "test_sglang_language", "test_sleep_workers", "test_workers", "test_sglang_encoder", "test_no_silent_hang",
+    "test_sglang_plugin", "test_openai_api", "test_sglang_minimax", "test_sglang_audio", "test_sglang_two_request",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: -MODULE_SECONDS.get(item.module.__name__ if item.module else "", 0))  # stable
+    rank = {name: i for i, name in enumerate(MODULE_ORDER)}
+    items.sort(key=lambda item: rank.get(item.module.__name__ if item.module else "", len(rank)))  # stable
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is not None and callspec.params.get("connector_kind") == "memory":
