@@ -40,6 +40,11 @@ AUX_INTS = 16
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+def rows_sha256(rows: np.ndarray) -> str:
+    """The end-to-end digest of an embedding's rows (its bytes, row-major): both sides compare it."""
+    return hashlib.sha256(memoryview(np.ascontiguousarray(rows))).hexdigest()
+
+
 @dataclass
 class Embedding:
     """One request's embedding, contiguous and in token order.
@@ -75,7 +80,7 @@ class Embedding:
 
     def sha256(self) -> str:
         """Digest of the embedding bytes, row-major ``[num_tokens, hidden]``."""
-        return hashlib.sha256(memoryview(np.ascontiguousarray(self.embeddings))).hexdigest()
+        return rows_sha256(self.embeddings)
 
     def digests(self) -> dict[str, str]:
         """Digests of every part, for end-to-end checks."""

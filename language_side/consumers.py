@@ -3,10 +3,9 @@ for the language engine."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Protocol
 
-from connector.buffers import Embedding
+from connector.buffers import Embedding, rows_sha256
 
 
 class Consumer(Protocol):
@@ -28,5 +27,4 @@ class EmbeddingCopy:
         # The digest of the copy, not of the pool: bytes that land in these blocks late (a write
         # Mooncake gave up on, docs/failure_bounds.md) then fail the end-to-end check instead of
         # reaching SGLang unchecked.
-        return {"sha256": dataclasses.replace(embedding, embeddings=rows, release_fn=None).sha256(), "embedding": rows,
-                "mrope_positions": embedding.mrope_positions.copy()}
+        return {"sha256": rows_sha256(rows), "embedding": rows, "mrope_positions": embedding.mrope_positions.copy()}
