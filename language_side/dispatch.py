@@ -90,6 +90,9 @@ class Embedded:
     meta: dict = field(default_factory=dict)
     # per video, in order: "video_timestamps" and/or "second_per_grid_ts", as the encoder gave them
     extras: dict = field(default_factory=dict)
+    # the SHA-256 of ``rows`` when they are one received part's copy, checked end to end (None
+    # when they were joined or came from the cache): SGLang's item hash, taken once (mm_receiver)
+    rows_sha256: str | None = None
 
 
 class EncoderDispatch:
@@ -135,7 +138,8 @@ class EncoderDispatch:
         transfer = await wait_for_future(future, lambda: self.worker.cancel(rid, "the client went away"))
         rows, positions = transfer.pop("embedding"), transfer.pop("mrope_positions")
         return Embedded(rows, grids_from_positions(positions), [], transfer | {"num_tokens": len(rows),
-                                                                               "encoders": [addr]})
+                                                                               "encoders": [addr]},
+                        rows_sha256=transfer["sha256"])
 
     async def embed_media(self, rid: str, refs: list[str], modality: str) -> Embedded:
         """Videos' or audio clips' embeddings (``modality``), encoded and received, not cached;
@@ -167,7 +171,7 @@ class EncoderDispatch:
                      if digest is not None and (hit := self.cache.get(cache_key(digest, fingerprint))) is not None}
         missing = [i for i in range(len(images)) if i not in found]
         self.cache_hits.inc(len(found))
-        meta = {"num_tokens": 0, "resume_rounds": 0, "encoder_retries": 0, "transfer_ms": 0.0, "encode_ms": 0.0,
+        meta = {"num_tokens": 0, "resume_rounds": 0, "encoder_retries": 0, "transfer_ms": 0.0, "copy_ms": 0.0, "encode_ms": 0.0,
                 "encoder_wait_ms": 0.0, "queue_ms": 0.0, "encoders": []}
         if missing:
             sent = await self._dispatch(rid, [images[i] for i in missing])
@@ -179,9 +183,11 @@ class EncoderDispatch:
                     self.cache.put(cache_key(digests[i], made_by), rows, grid)
         ordered = [found[i] for i in range(len(images))]
         # nothing from the cache: the parts' rows are already joined in order (no second copy)
-        rows = sent.rows if len(missing) == len(images) else np.concatenate([r for r, _ in ordered])
+        whole = len(missing) == len(images)
+        rows = sent.rows if whole else np.concatenate([r for r, _ in ordered])
         return Embedded(rows, [g for _, g in ordered], [], meta | {"num_tokens": len(rows),
-                                                              "cached_images": len(images) - len(missing)})
+                                                              "cached_images": len(images) - len(missing)},
+                        rows_sha256=sent.rows_sha256 if whole else None)
 
     async def _fingerprint(self) -> str | None:
         """The preprocessing fingerprint every encoder reports (None when they disagree: an
@@ -221,12 +227,14 @@ class EncoderDispatch:
                          "resume_rounds": sum(p.meta["resume_rounds"] for p in parts),
                          "encoder_retries": sum(p.meta["attempts"] - 1 for p in parts),
                          "transfer_ms": max(p.meta["transfer_ms"] for p in parts),
+                         "copy_ms": max(p.meta["copy_ms"] for p in parts),
                          "encode_ms": max(p.meta["encode_ms"] for p in parts),
                          "encoder_wait_ms": max(p.meta["encoder_wait_ms"] for p in parts),
                          "queue_ms": max(p.meta["queue_ms"] for p in parts),
                          "encoders": [p.meta["encoder"] for p in parts]},
                         {key: [v for p in parts for v in p.extras.get(key, [])]
-                         for key in {key for p in parts for key in p.extras}})
+                         for key in {key for p in parts for key in p.extras}},
+                        parts[0].rows_sha256 if len(parts) == 1 else None)
 
     async def _part(self, rid: str, index: int, images: list[str], modality: str = "image") -> Embedded:
         tried: set[str] = set()
@@ -345,7 +353,8 @@ class EncoderDispatch:
         if encoded.get("preprocessing"):
             self.fingerprints[enc.url] = str(encoded["preprocessing"])
         return Embedded(rows, grids, [], transfer | {"encode_ms": encoded.get("encode_ms", 0.0),
-                                                 "preprocessing": self.fingerprints.get(enc.url)}, extras)
+                                                 "preprocessing": self.fingerprints.get(enc.url)}, extras,
+                        transfer["sha256"])
 
     @staticmethod
     async def _received(enc: Encoder, receiving: asyncio.Future) -> dict:

@@ -473,7 +473,8 @@ class LanguageWorker:
         self._finish(req, emb)
 
     def _finish(self, req: _Request, emb: Embedding) -> None:
-        seconds = time.monotonic() - req.init_at
+        landed = time.monotonic()
+        seconds = landed - req.init_at
         with self._lock:
             if req.phase != Q.TRANSFERRING:  # cancelled after it was assembled
                 emb.release()
@@ -499,7 +500,9 @@ class LanguageWorker:
             req.future.set_result({"rid": req.rid, "num_tokens": emb.num_tokens, "resume_rounds": receiver.resume_rounds,
                                    "queue_ms": round((req.init_at - req.arrived_at) * 1e3, 3),
                                    "encoder_wait_ms": round(((receiver.sending_at or req.init_at) - req.init_at) * 1e3, 3),
-                                   "transfer_ms": round(seconds * 1e3, 3), **extra})
+                                   "transfer_ms": round(seconds * 1e3, 3),
+                                   # from the landing to the consumer's end (its wait for the thread included)
+                                   "copy_ms": round((time.monotonic() - landed) * 1e3, 3), **extra})
 
         self._consumers.submit(consume)
 

@@ -4,19 +4,22 @@ An encode worker (transformers' tower, ``--encoder qwen``) and SGLang's language
 seeded checkpoint of the 7B's width (hidden 3584, one layer: a 3840x2160 image is 10,549 rows,
 75.6 MB). ``--streams`` greedy text streams decode; once they run steadily, 3840x2160 images
 (a new one each time, the embedding cache off) are sent one after another as one-token
-requests. Each image's receive window is the part of its ``transfer_ms`` after its
-``encode_ms`` (the encoder's forward pass excluded: on a shared CPU it competes for the cores
-whatever the connector does), until the embedding is assembled in the language server (its
-prefill, which follows, excluded). The inter-token gaps of the streams that overlap a receive
-window are compared with the gaps of the same streams before the first image: the last
-line is ``stall_p99_ratio=<p99 in windows / p99 quiet>`` (issue 36's target: at most 1.2).
+requests, each after a pause. Each image's receive window starts after its ``encode_ms`` (the
+encoder's forward pass excluded: on a shared CPU it competes for the cores whatever the
+connector does) and ends when the language server has assembled the embedding and copied it
+out of the pool with its digest (``transfer_ms`` + ``copy_ms``; the prefill, which follows,
+excluded). The inter-token gaps of the streams that overlap a receive window are compared with
+the gaps of the same streams in the pause just before that image was sent (its control: the
+same batch at nearly the same context length, since a decoding step's cost grows with its
+context): the last line is ``stall_p99_ratio=<p99 in windows / p99 in their controls>`` (issue
+36's target: at most 1.2).
 
 ``--isolate-scheduler`` gives SGLang's scheduler process CPU 0 alone and every other process
 (the encoder, SGLang's main process where the receive runs, this client) the other CPUs, each
 process with one compute thread, so that what remains in the ratio is what blocks the
 scheduler, not what shares its core.
 
-    .venv/bin/python scripts/bench_stall.py [--streams 8] [--images 4] [--isolate-scheduler] [--json out.json]
+    .venv/bin/python scripts/bench_stall.py [--streams 8] [--images 8] [--isolate-scheduler] [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,20 +46,17 @@ PROMPT = "<|im_start|>user\n{images}Stream {i}: count slowly.<|im_end|>\n<|im_st
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def start(folder: str, one_thread: bool, hash_in_scheduler: bool = False,
-          timeout: float = 300.0) -> tuple[WorkerProcess, WorkerProcess]:
+def start(folder: str, one_thread: bool, timeout: float = 300.0) -> tuple[WorkerProcess, WorkerProcess]:
     """``one_thread``: one compute thread per process (the scheduler alone on a core would
-    otherwise run two spinning threads there). ``hash_in_scheduler``: SGLang's default, which
-    our language mode changes (the scheduler hashes each embedding for its radix cache)."""
+    otherwise run two spinning threads there)."""
     encode_port = free_port()
     env = {"OMP_NUM_THREADS": "1"} if one_thread else {}
-    language_env = env | {"SGLANG_MM_PRECOMPUTE_HASH": "0"} if hash_in_scheduler else env
     encode, language = start_together(
         lambda: WorkerProcess("encode", "--model-path", folder, "--encoder", "qwen", port=encode_port,
                               command=SGLANG_LAUNCH, timeout=timeout, env=env),
         lambda: WorkerProcess("language", "--model-path", folder, "--encoder-urls", f"http://127.0.0.1:{encode_port}",
                               "--skip-server-warmup", "--max-total-tokens", "65536", "--image-embedding-cache-bytes",
-                              "0", command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=timeout, env=language_env))
+                              "0", command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=timeout, env=env))
     return encode, language
 
 
@@ -101,27 +101,29 @@ def receive_window(url: str, path: str) -> tuple[float, float]:
         "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
     answer.raise_for_status()
     meta = answer.json()["meta_info"]
-    return sent + (meta["queue_ms"] + meta["encode_ms"]) / 1e3, sent + (meta["queue_ms"] + meta["transfer_ms"]) / 1e3
+    return (sent + (meta["queue_ms"] + meta["encode_ms"]) / 1e3,
+            sent + (meta["queue_ms"] + meta["transfer_ms"] + meta["copy_ms"]) / 1e3)
 
 
-def gaps_in(arrivals: list[float], windows: list[tuple[float, float]] | None, before: float) -> list[float]:
-    """Gaps between a stream's tokens, in ms: those that overlap a window (a stall inside it
-    shows as a long gap, which may end after it), or (``windows`` None) those ending before
-    ``before``."""
+def gaps_in(arrivals: list[float], windows: list[tuple[float, float]]) -> list[float]:
+    """Gaps between a stream's tokens, in ms, that overlap a window (a stall inside it shows as
+    a long gap, which may end after it)."""
     t = np.asarray(arrivals)
     start, end = t[:-1], t[1:]
-    if windows is None:
-        keep = end < before
-    else:
-        keep = np.zeros(len(end), bool)
-        for lo, hi in windows:
-            keep |= (end > lo) & (start < hi)
+    keep = np.zeros(len(end), bool)
+    for lo, hi in windows:
+        keep |= (end > lo) & (start < hi)
     return ((end - start)[keep] * 1e3).tolist()
 
 
-def measure(args: argparse.Namespace, folder: str, paths: list[str], hash_in_scheduler: bool) -> dict:
+def percentiles(gaps: list[float]) -> dict:
+    return {"gaps": len(gaps), "p50_ms": round(float(np.percentile(gaps, 50)), 1),
+            "p99_ms": round(float(np.percentile(gaps, 99)), 1)}
+
+
+def measure(args: argparse.Namespace, folder: str, paths: list[str]) -> dict:
     """One run: the workers started, the streams and the images; the row of gaps."""
-    encode, language = start(folder, one_thread=args.isolate_scheduler, hash_in_scheduler=hash_in_scheduler)
+    encode, language = start(folder, one_thread=args.isolate_scheduler)
     cpus = os.sched_getaffinity(0)  # isolate_scheduler narrows this process's: the next run needs them all
     try:
         warm = str(Path(paths[0]).with_name("warm.png"))
@@ -129,8 +131,8 @@ def measure(args: argparse.Namespace, folder: str, paths: list[str], hash_in_sch
         receive_window(language.url, warm)  # first passes of both sides
         if args.isolate_scheduler:
             print(f"affinity: {isolate_scheduler(encode, language)}", file=sys.stderr, flush=True)
-        # enough tokens to outlast the quiet window and every image (a step is ~0.1-0.3 s here)
-        tokens = int(40 + (args.quiet_s + 30 * args.images) / 0.05)
+        # enough tokens to outlast the warm-up and every image (a step is ~0.015-0.1 s here)
+        tokens = int(40 + (args.quiet_s + (30 + args.control_s) * args.images) / 0.015)
         arrivals: list[list[float]] = [[] for _ in range(args.streams)]
         started = [threading.Event() for _ in range(args.streams)]
         threads = [threading.Thread(target=stream, args=(language.url, i, tokens, arrivals[i], started[i]), daemon=True)
@@ -140,8 +142,12 @@ def measure(args: argparse.Namespace, folder: str, paths: list[str], hash_in_sch
         for event in started:
             assert event.wait(300), "a stream did not start"
         time.sleep(args.quiet_s)
-        first_sent = time.monotonic()
-        windows = [receive_window(language.url, path) for path in paths]
+        controls, windows = [], []
+        for path in paths:
+            # the previous image's answer (its prefill's last step) is 0.2 s behind the control
+            time.sleep(args.control_s + 0.2)
+            controls.append((time.monotonic() - args.control_s, time.monotonic()))
+            windows.append(receive_window(language.url, path))
         requests.post(f"{language.url}/abort_request", json={"abort_all": True, "rid": ""}, timeout=30)
         for thread in threads:
             thread.join(60)
@@ -149,28 +155,25 @@ def measure(args: argparse.Namespace, folder: str, paths: list[str], hash_in_sch
         os.sched_setaffinity(0, cpus)
         language.stop()
         encode.stop()
-    quiet = [g for a in arrivals for g in gaps_in(a, None, first_sent)]
-    stalled = [g for a in arrivals for g in gaps_in(a, windows, 0.0)]
-    if not stalled:
-        raise SystemExit("no token gap ended inside a receive window: more streams or images")
+    control = [g for a in arrivals for g in gaps_in(a, controls)]
+    stalled = [g for a in arrivals for g in gaps_in(a, windows)]
+    if not stalled or not control:
+        raise SystemExit("no token gap overlapped a receive window or its control: more streams or images")
     return {"streams": args.streams, "images": args.images, "size": args.size, "isolated": args.isolate_scheduler,
-            "hash_in_scheduler": hash_in_scheduler, "windows_ms": [round((hi - lo) * 1e3, 1) for lo, hi in windows],
-            "quiet_gaps": len(quiet), "window_gaps": len(stalled),
-            "quiet_p50_ms": round(float(np.percentile(quiet, 50)), 1), "quiet_p99_ms": round(float(np.percentile(quiet, 99)), 1),
-            "window_p50_ms": round(float(np.percentile(stalled, 50)), 1),
-            "window_p99_ms": round(float(np.percentile(stalled, 99)), 1)}
+            "windows_ms": [round((hi - lo) * 1e3, 1) for lo, hi in windows],
+            "control": percentiles(control), "window": percentiles(stalled)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--images", type=int, default=4, help="3840x2160 images sent one after another")
-    ap.add_argument("--quiet-s", type=float, default=4.0, help="seconds of steady decoding measured before them")
+    ap.add_argument("--images", type=int, default=8, help="3840x2160 images sent one after another")
+    ap.add_argument("--quiet-s", type=float, default=4.0, help="seconds of decoding before the first image")
+    ap.add_argument("--control-s", type=float, default=1.0,
+                    help="seconds of decoding measured just before each image is sent (its control)")
     ap.add_argument("--size", default="3840x2160")
     ap.add_argument("--isolate-scheduler", action="store_true",
                     help="the scheduler process alone on CPU 0, everything else on the other CPUs")
-    ap.add_argument("--compare-hash-in-scheduler", action="store_true",
-                    help="first a run on SGLang's default (the scheduler hashes each embedding), then ours")
     ap.add_argument("--model-path", help="Qwen2.5-VL folder (default: the seeded one, hidden 3584, one layer)")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -182,19 +185,15 @@ def main() -> None:
     for k in range(args.images):
         paths.append(str(Path(tmp.name) / f"img{k}.png"))
         make_image(width, height, seed=500 + k).save(paths[-1])
-    rows = [measure(args, folder, paths, hash_in_scheduler) for hash_in_scheduler in
-            ([True, False] if args.compare_hash_in_scheduler else [False])]
-    print(f"{'gaps':>8} {'where hashed':>13} {'count':>6} {'p50 ms':>8} {'p99 ms':>8}")
-    for row in rows:
-        hashed = "scheduler" if row["hash_in_scheduler"] else "tokenizer"
-        print(f"{'quiet':>8} {hashed:>13} {row['quiet_gaps']:>6} {row['quiet_p50_ms']:>8} {row['quiet_p99_ms']:>8}")
-        print(f"{'receive':>8} {hashed:>13} {row['window_gaps']:>6} {row['window_p50_ms']:>8} {row['window_p99_ms']:>8}")
-        print(f"receive windows (ms): {row['windows_ms']}")
+    row = measure(args, folder, paths)
+    print(f"{'gaps':>8} {'count':>6} {'p50 ms':>8} {'p99 ms':>8}")
+    for name, gaps in (("control", row["control"]), ("receive", row["window"])):
+        print(f"{name:>8} {gaps['gaps']:>6} {gaps['p50_ms']:>8} {gaps['p99_ms']:>8}")
+    print(f"receive windows (ms): {row['windows_ms']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows if len(rows) > 1 else rows[0], indent=1))
-    if len(rows) > 1:
-        print(f"stall_p99_ratio_hash_in_scheduler={rows[0]['window_p99_ms'] / rows[0]['quiet_p99_ms']:.2f}")
-    print(f"stall_p99_ratio={rows[-1]['window_p99_ms'] / rows[-1]['quiet_p99_ms']:.2f}")
+        Path(args.json).write_text(json.dumps(row, indent=1))
+    print(f"stall_p50_ratio={row['window']['p50_ms'] / row['control']['p50_ms']:.2f}")
+    print(f"stall_p99_ratio={row['window']['p99_ms'] / row['control']['p99_ms']:.2f}")
 
 
 if __name__ == "__main__":

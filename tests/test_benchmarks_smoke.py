@@ -132,7 +132,7 @@ def test_bench_embedding_cache_prints_the_turns_and_the_ratio(tmp_path: Path, sm
 
 
 @pytest.mark.sglang
-def test_bench_stall_prints_the_gaps_in_and_out_of_the_receive_windows_and_the_ratio(tmp_path: Path, small_model: list[str]) -> None:
+def test_bench_stall_prints_the_gaps_in_the_receive_windows_and_in_their_controls_and_the_ratio(tmp_path: Path, small_model: list[str]) -> None:
     out = subprocess.run([sys.executable, str(SCRIPTS / "bench_stall.py"), *small_model, "--streams", "2", "--images", "1",
                           "--quiet-s", "2", "--size", "1920x1080", "--json", str(tmp_path / "s.json")],
                          capture_output=True, text=True,
@@ -140,7 +140,7 @@ def test_bench_stall_prints_the_gaps_in_and_out_of_the_receive_windows_and_the_r
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert re.fullmatch(r"stall_p99_ratio=\d+\.\d+", out.stdout.strip().splitlines()[-1])
     row = json.loads((tmp_path / "s.json").read_text())
-    assert row["quiet_gaps"] > 10 and row["window_gaps"] >= 1 and len(row["windows_ms"]) == 1
+    assert row["control"]["gaps"] > 10 and row["window"]["gaps"] >= 1 and len(row["windows_ms"]) == 1
     assert row["windows_ms"][0] > 0  # the receive window follows the encode, within transfer_ms
 
 

@@ -340,16 +340,20 @@ def test_push_sockets_stay_under_the_zmq_and_open_files_limits_whatever_addresse
     push = PushSockets(ctx)
     try:
         # Nobody listens: the sends just queue. Twice the sockets it keeps: the evicted ones' files
-        # go only once ZMQ's reaper thread has closed them (a close is asynchronous in ZMQ).
+        # go only once ZMQ's reaper thread has closed them (a close is asynchronous in ZMQ), so on
+        # a busy CPU a send of the flood may find no file free: try_send, as the workers send,
+        # logs it and the message is lost, as it is to any peer that cannot take it.
         for port in range(20_000, 20_000 + 2 * push.max_sockets):
-            push.send("127.0.0.1", port, [b"x"])
+            push.try_send("127.0.0.1", port, [b"x"])
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        assert len(push._sockets) == push.max_sockets == min(MAX_SOCKETS, limit // 2 // FILES_PER_PEER)
+        assert len(push._sockets) <= push.max_sockets == min(MAX_SOCKETS, limit // 2 // FILES_PER_PEER)
         assert 3 * push.max_sockets < ctx.get(zmq.MAX_SOCKETS)  # each: the PUSH and its monitor's two ends
         deadline = time.monotonic() + 10
         while (taken := len(os.listdir("/proc/self/fd")) - open_before) > limit // 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert taken <= limit // 2, (taken, limit)
+        assert push.try_send("127.0.0.1", 19_999, [b"x"])  # and a new peer is reached again
+        assert len(push._sockets) <= push.max_sockets
     finally:
         push.close()
         ctx.term()

@@ -203,6 +203,25 @@ def test_a_repeated_image_is_served_from_the_radix_cache(workers, images, refere
     assert second["meta_info"]["cached_tokens"] >= second["meta_info"]["prompt_tokens"] - 8, second["meta_info"]
 
 
+def test_a_received_images_item_hash_is_the_connectors_digest_and_equals_sglangs_own(workers, tmp_path) -> None:
+    """The first request's image is received: its item hash is the digest the connector took of
+    the rows (SGLang does not hash them again). The second's comes from the embedding cache (rows
+    joined anew, no digest): SGLang hashes it itself, and the prompt is a radix-cache hit, which
+    it can only be if the two values are equal."""
+    _, language = workers
+    path = tmp_path / "digest.png"
+    make_image(640, 480, seed=91).save(path)
+    uri = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()  # the embedding cache keeps data: URIs
+    first = generate(language, [uri], "digest-received").json()
+    second = generate(language, [uri], "digest-cached").json()
+    assert (first["meta_info"]["cached_images"], second["meta_info"]["cached_images"]) == (0, 1)
+    assert second["output_ids"] == first["output_ids"]
+    assert second["meta_info"]["cached_tokens"] >= second["meta_info"]["prompt_tokens"] - 8, second["meta_info"]
+    said = {rid: re.search(r"(\d+) item hash\(es\) from the connector's digest", line).group(1)
+            for line in language.log for rid in ("digest-received", "digest-cached") if f"rid={rid}:" in line}
+    assert said == {"digest-received": "1", "digest-cached": "0"}, said
+
+
 def test_metrics_are_sglangs_and_the_connectors(workers, images) -> None:
     """``/metrics`` (SGLang's, with ``--enable-metrics``) carries the connector's ``epd_*`` beside them."""
     _, language = workers
