@@ -32,6 +32,7 @@ import torch
 from connector.failures import TransferFailure
 from language_side.dispatch import Embedded, EncoderDispatch, ImageRefused
 from language_side.layout import LayoutError
+from sglang_ext import shm_handover
 
 log = logging.getLogger(__name__)
 
@@ -103,15 +104,15 @@ def _joined_meta(metas: list[dict]) -> dict:
     return joined
 
 
-def _adopt_digests(inputs, tensors: dict, digests: dict) -> int:
+def _adopt_digests(inputs, tensors: dict, digests: dict) -> list:
     """SGLang keys its radix cache by each item's hash: the first 8 bytes, big-endian, of the
     SHA-256 of its embedding's bytes (``mm_utils.tensor_hash`` on a CPU tensor). SGLang's
     processor makes one item per image, each a view of the rows given for its modality; an item
     whose view is all of those rows, which are one received part's, gets that part's digest,
     already taken of the same bytes, so SGLang does not read 75.6 MB (a 4K image) again. Any
     other item (one image of several, joined parts, cached rows, rows converted to a model dtype
-    other than bf16) is left to SGLang. Returns how many items got a digest."""
-    adopted = 0
+    other than bf16) is left to SGLang. Returns the items that got a digest."""
+    adopted = []
     for item in getattr(inputs, "mm_items", None) or []:
         digest, given = digests.get(item.modality), tensors.get(item.modality)
         view = item.precomputed_embeddings
@@ -120,7 +121,7 @@ def _adopt_digests(inputs, tensors: dict, digests: dict) -> int:
                 and view.shape == given.shape and view.data_ptr() == given.data_ptr()
                 and view.is_contiguous() and given.is_contiguous()):
             item.set_hash(int(digest[:16], 16))
-            adopted += 1
+            adopted.append(item)
     return adopted
 
 
@@ -141,6 +142,7 @@ class ResumableReceiver:
         # of a generation (the list: SGLang's copies of an n>1 request share it, see inputs_of)
         self._transfer_meta: dict[str, dict] = {}
         self._inputs: dict[str, tuple[np.ndarray, list, Any]] = {}
+        self._segments: dict[str, list[str]] = {}  # rid -> its embeddings' handover segments (shm_handover)
         self._restored: dict[str, tuple[np.ndarray, list]] = {}  # rid -> its images' rows and grids, from disk
         # The image_data a two-request /generate is given (language_server.name_room), so that
         # SGLang hands it here: unguessable, so no client's image reference is taken for it
@@ -181,15 +183,22 @@ class ResumableReceiver:
             raise EmbeddingUnavailable(400, f"the prompt's placeholders do not match its {counts}: {exc}") from None
         digested = _adopt_digests(inputs, embeddings, {Modality[kind.upper()]: part.rows_sha256
                                                       for kind, part in embedded.items()})
+        built_ms = (time.monotonic() - built_at) * 1e3
+        # Not for an n>1 request: SGLang sends its items to the scheduler once per choice, and
+        # the scheduler removes a segment when it maps it.
+        sampling = getattr(request_obj, "sampling_params", None)
+        if digested and isinstance(sampling, dict) and sampling.get("n", 1) == 1 and shm_handover.sglang_sends_shm():
+            self._segments.setdefault(rid, []).extend(await shm_handover.hand_over(digested))
         meta = _joined_meta([part.meta for part in embedded.values()])
         if self.keep_inputs and list(embedded) == ["image"]:
             self._inputs[rid] = (embedded["image"].rows, embedded["image"].grids, request_obj.image_data)
         self._transfer_meta[rid] = {key: meta[key] for key in TRANSFER_META if key in meta}
         log.info("rid=%s: %s tokens from %s, %d resume rounds, transfer %.0f ms, %d cached image(s); SGLang's inputs "
-                 "built in %.0f ms, %d item hash(es) from the connector's digest",
+                 "built in %.0f ms, %d item hash(es) from the connector's digest, %d handed over in shared memory",
                  rid, ", ".join(f"{len(part.rows)} {kind}" for kind, part in embedded.items()),
                  meta.get("encoders"), meta.get("resume_rounds", 0), meta.get("transfer_ms", 0.0),
-                 meta.get("cached_images", 0), (time.monotonic() - built_at) * 1e3, digested)
+                 meta.get("cached_images", 0), built_ms, len(digested),
+                 len(self._segments.get(rid, [])))
         return inputs
 
     def _tensor(self, rows: np.ndarray) -> torch.Tensor:
@@ -254,6 +263,7 @@ class ResumableReceiver:
             for rid in [obj.rid] if isinstance(obj.rid, str) else obj.rid or []:
                 self._transfer_meta.pop(str(rid), None)
                 self._inputs.pop(str(rid), None)
+                shm_handover.unlink(self._segments.pop(str(rid), []))
             await stream.aclose()
 
     def _transfer_of(self, obj, meta: dict, index) -> dict | None:

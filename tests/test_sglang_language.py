@@ -217,9 +217,34 @@ def test_a_received_images_item_hash_is_the_connectors_digest_and_equals_sglangs
     assert (first["meta_info"]["cached_images"], second["meta_info"]["cached_images"]) == (0, 1)
     assert second["output_ids"] == first["output_ids"]
     assert second["meta_info"]["cached_tokens"] >= second["meta_info"]["prompt_tokens"] - 8, second["meta_info"]
-    said = {rid: re.search(r"(\d+) item hash\(es\) from the connector's digest", line).group(1)
+    said = {rid: re.search(r"(\d+) item hash\(es\) from the connector's digest, (\d+) handed over", line).groups()
             for line in language.log for rid in ("digest-received", "digest-cached") if f"rid={rid}:" in line}
-    assert said == {"digest-received": "1", "digest-cached": "0"}, said
+    assert said == {"digest-received": ("1", "1"), "digest-cached": ("0", "0")}, said
+    assert not handover_segments(language), "the scheduler removes each segment it maps"
+
+
+def handover_segments(language: WorkerProcess) -> list[str]:
+    """The shared-memory segments SGLang's main process (the language server's pid) has made
+    for its scheduler and that are still there (SGLang's names: ``sgl_shm_mm_<pid>_<random>``)."""
+    assert "language" in " ".join(psutil.Process(language.proc.pid).cmdline())
+    return [path.name for path in Path("/dev/shm").glob(f"sgl_shm_mm_{language.proc.pid}_*")]
+
+
+def test_a_request_refused_after_its_embedding_arrived_leaves_no_shared_memory(workers, tmp_path) -> None:
+    """Its embedding is handed over in shared memory made before SGLang checks the request; SGLang
+    then refuses it (more tokens asked than the context holds): the segment, never sent to the
+    scheduler, is removed when the request ends, and the server serves the next one."""
+    _, language = workers
+    path = str(tmp_path / "refused.png")
+    make_image(640, 480, seed=93).save(path)
+    refused = generate(language, [path], "handover-refused", new_tokens=10**7)
+    assert refused.status_code == 400 and "context length" in refused.text, refused.text
+    assert any("rid=handover-refused:" in line and "1 handed over in shared memory" in line for line in language.log)
+    deadline = time.monotonic() + 10
+    while handover_segments(language) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not handover_segments(language)
+    assert generate(language, [path], "handover-next").status_code == 200
 
 
 def test_metrics_are_sglangs_and_the_connectors(workers, images) -> None:

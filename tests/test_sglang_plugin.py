@@ -248,12 +248,17 @@ def test_the_plugin_costs_nothing_in_other_sglang_processes() -> None:
     assert not re.search(r"'(connector|embedding_side|language_side|torch|transformers|sglang_ext\.args)\b", new_modules)
 
 
-def test_on_a_cpu_without_bf16_arithmetic_sglangs_linear_layers_compute_in_float32() -> None:
+@pytest.mark.parametrize("cpu", ["this one", "without bf16 arithmetic"])
+def test_on_a_cpu_without_bf16_arithmetic_sglangs_linear_layers_compute_in_float32(cpu: str) -> None:
     """In a process that loaded the plugins as SGLang's launcher does (every mode: SGLang's own
     monolithic server too, so a benchmark's two sides compute alike), SGLang's unquantized linear
-    layers take ``sglang_ext.cpu_gemm``'s product for many rows on such a CPU (this machine:
-    AVX2), and PyTorch's bf16 kernel for few rows."""
+    layers take ``sglang_ext.cpu_gemm``'s product for many rows on a CPU without bf16 arithmetic
+    (AVX2; emulated here by PyTorch's two capability checks answering no), and PyTorch's bf16
+    kernel for few rows; on a CPU with it (AVX512-BF16 or AMX) PyTorch's kernel for all."""
+    emulate = ("torch.cpu._is_avx512_bf16_supported = torch.cpu._is_amx_tile_supported = lambda: False\n"
+               if cpu == "without bf16 arithmetic" else "")
     code = ("import json, torch, torch.nn.functional as F\n"
+            f"{emulate}"
             "from sglang.srt.plugins import load_plugins\n"
             "load_plugins()\n"
             "from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod\n"
@@ -266,9 +271,14 @@ def test_on_a_cpu_without_bf16_arithmetic_sglangs_linear_layers_compute_in_float
             "many, few = (UnquantizedLinearMethod().apply(layer, rows) for rows in (x, x[:8]))\n"
             "print(json.dumps({'slow_bf16': cpu_gemm.slow_bf16(), 'calls': calls,\n"
             "                  'many_float32': torch.equal(many, F.linear(x.float(), layer.weight.float()).bfloat16()),\n"
+            "                  'many_bf16_kernel': torch.equal(many, F.linear(x, layer.weight)),\n"
             "                  'few_bf16_kernel': torch.equal(few, F.linear(x[:8], layer.weight))}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert seen["slow_bf16"], "this machine has no bf16 arithmetic (AVX2): the test expects the float32 path"
-    assert seen == {"slow_bf16": True, "calls": [128], "many_float32": True, "few_bf16_kernel": True}
+    if seen["slow_bf16"]:
+        assert seen["calls"] == [128] and seen["many_float32"] and seen["few_bf16_kernel"], seen
+    else:
+        assert seen["calls"] == [] and seen["many_bf16_kernel"] and seen["few_bf16_kernel"], seen
+    if cpu == "without bf16 arithmetic":
+        assert seen["slow_bf16"]
