@@ -30,8 +30,9 @@ def sglang_sends_shm() -> bool:
 
 async def hand_over(items: list) -> list[str]:
     """Each item's ``precomputed_embeddings`` (a CPU tensor whose hash is set) replaced by its
-    shared-memory segment, made on a worker thread; the segments' names. A cancelled call
-    unlinks the segment its thread was making once it is made."""
+    shared-memory segment, made on a worker thread; the segments' names. An item no segment can
+    be made for (``/dev/shm`` full) keeps its tensor, for SGLang to hand over its own way. A
+    cancelled call unlinks the segment its thread was making once it is made."""
     from sglang.srt.managers.mm_utils import ShmPointerMMData
 
     loop = asyncio.get_running_loop()
@@ -45,6 +46,9 @@ async def hand_over(items: list) -> list[str]:
                 making.add_done_callback(lambda made: made.cancelled() or made.exception() is not None
                                          or unlink([made.result().shm_name]))
                 raise
+            except OSError as exc:
+                log.warning("no shared memory for an embedding's handover (%s); SGLang hands it over itself", exc)
+                continue
             item.precomputed_embeddings = segment
             names.append(segment.shm_name)
     except BaseException:

@@ -66,3 +66,15 @@ def test_a_cancelled_handover_leaves_no_segment() -> None:
     while set(SHM.glob("sgl_shm_mm_*")) - before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not set(SHM.glob("sgl_shm_mm_*")) - before
+
+
+def test_with_dev_shm_full_the_item_keeps_its_rows_for_sglang(monkeypatch) -> None:
+    """SGLang itself then sends the rows inline (``_wrap_shm_or_inline``); nothing is left behind."""
+    def full(tensor, precomputed_hash=None):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("sglang.srt.managers.mm_utils.ShmPointerMMData", full)
+    given = item(5)
+    rows = given.precomputed_embeddings
+    assert asyncio.run(shm_handover.hand_over([given])) == []
+    assert given.precomputed_embeddings is rows
