@@ -292,8 +292,11 @@ class EncodeWorker:
         encoded_at = time.monotonic()  # decode, preprocess and forward pass
         sender.send(embedding)
         log.info("rid=%s room=%d: %d %ss -> %d tokens", rid, sender.room, len(refs), modality, embedding.num_tokens)
+        # On a thread, beside the transfer: 40-60 ms for a 4K image's rows, which would hold up
+        # this loop's other requests (and the language side's health probes) meanwhile.
+        sha256 = await asyncio.to_thread(embedding.sha256)
         return {"rid": rid, "modality": modality, "num_tokens": embedding.num_tokens,
-                "hidden_size": embedding.hidden_size, "dtype": embedding.dtype, "sha256": embedding.sha256(),
+                "hidden_size": embedding.hidden_size, "dtype": embedding.dtype, "sha256": sha256,
                 "grid_thw": grids, **extras, "encode_ms": round((encoded_at - started) * 1e3, 3),
                 "preprocessing": self.encoder.fingerprint()}, encoded_at
 
