@@ -148,8 +148,9 @@ class EmbeddingReceiver:
 
     def __init__(self, manager: EmbeddingReceiverManager, bootstrap_addr: str, room: int, route: RankRoute) -> None:
         self._m, self.bootstrap_addr, self.room, self.route = manager, bootstrap_addr, room, route
+        self.created = manager.clock()  # a heartbeat probe started before this says nothing of this room
         self.machine = ReceiverRoom(room, manager.config.block_size, route.extended, _peer_name(bootstrap_addr, route),
-                                    last_progress=manager.clock())
+                                    last_progress=self.created)
         self._changed = threading.Condition(manager._lock)  # notified on every status change
         self._out: Embedding | None = None  # assembly target, created early only by a spill or a restore
         # The reference fork's strategy (clone_concat), kept only to measure against
@@ -680,7 +681,7 @@ class EmbeddingReceiverManager:
                 next_beat = now + interval
                 with self._lock:
                     addrs = {r.bootstrap_addr for r in self._rooms.values()}
-                self.encoders.probe(addrs, self._on_probe)
+                self.encoders.probe(addrs, functools.partial(self._on_probe, started=now))
 
     def _check_timeouts(self, now: float) -> None:
         with self._lock:
@@ -688,10 +689,11 @@ class EmbeddingReceiverManager:
             for receiver in list(self._rooms.values()):
                 receiver.tick(now, self.encoders.peer(receiver.bootstrap_addr).asleep_since)
 
-    def _on_probe(self, addr: str, probe: Probe) -> None:
+    def _on_probe(self, addr: str, probe: Probe, started: float) -> None:
         """One health probe's answer: a sleeping peer is alive (its rooms wait up to ``max_sleep``);
         one that answers as a new process gets every outstanding request of our rooms again;
-        ``heartbeat_max_failures`` failures in a row and it is dead."""
+        ``heartbeat_max_failures`` failures in a row and it is dead (``started``: when this probe
+        was sent, which decides the rooms it speaks for)."""
         if probe.ok:
             self._note_health(addr, probe.text, probe.incarnation)
             return
@@ -705,7 +707,7 @@ class EmbeddingReceiverManager:
                 return
             peer.misses += 1
             if peer.misses >= self.config.heartbeat_max_failures:
-                self._declare_dead(addr, f"{peer.misses} heartbeats missed ({probe.why})", probe.gone)
+                self._declare_dead(addr, f"{peer.misses} heartbeats missed ({probe.why})", probe.gone, started)
 
     def _note_health(self, addr: str, text: str, incarnation: str | None) -> None:
         peer = self.encoders.peer(addr)
@@ -761,21 +763,30 @@ class EmbeddingReceiverManager:
             self._registered.discard((route.rank_ip, route.rank_port))
             self._push.drop(route.rank_ip, route.rank_port)
 
-    def _declare_dead(self, addr: str, why: str, gone: bool) -> None:
-        """Fail every unfinished room of the peer (lock held). A peer whose process is gone writes
+    def _declare_dead(self, addr: str, why: str, gone: bool, probed_at: float) -> None:
+        """Fail the peer's unfinished rooms (lock held). A peer whose process is gone writes
         nothing more, so its rooms' blocks come back at once; one that only stopped answering
         (frozen, cut off) may still write when it comes back, so its rooms are aborted and their
         blocks wait for its ack (it handles our abort before it answers a ping again, so it
         starts no new write for them, and acks once none of its writes can land), for it to be
-        found gone, or past the ack timeout for ``unacked_block_hold``."""
+        found gone, or past the ack timeout for ``unacked_block_hold``.
+
+        A room created after the last missed probe was sent (``probed_at``) is not failed with
+        the others unless the process is gone: that probe may have timed out in a cut that has
+        healed since. The next probe decides for it (one more miss and it fails too)."""
         peer = self.encoders.peer(addr)
-        peer.misses, peer.incarnation, peer.dead = 0, None, why
+        rooms = [r for r in self._rooms.values() if r.bootstrap_addr == addr]
+        failed = rooms if gone else [r for r in rooms if r.created <= probed_at]
+        spared = len(rooms) - len(failed)
+        peer.misses = self.config.heartbeat_max_failures - 1 if spared else 0
+        peer.incarnation, peer.dead = None, why
         if gone:  # a restarted process has another rank: look it up again
             self._drop_rank(self.encoders.forget_route(addr))
-        for receiver in [r for r in self._rooms.values() if r.bootstrap_addr == addr]:
+        for receiver in failed:
             receiver.handle(PeerDead(why, gone, self.clock()))
         self.stats["peer_dead"] += 1
-        log.error("encode peer %s declared dead: %s", addr, why)
+        log.error("encode peer %s declared dead: %s%s", addr, why,
+                  f" ({spared} room(s) created since the last probe was sent wait for the next)" if spared else "")
 
 
 def receive_embedding(manager: EmbeddingReceiverManager, bootstrap_addr: str, room: int,

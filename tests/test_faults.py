@@ -8,9 +8,11 @@ import time
 
 import pytest
 import zmq
+from conftest import ManualClock
 from test_transfer import transfer
 
 from connector.bootstrap import BootstrapServer
+from connector.encoder_peers import Probe
 from connector.failures import FailureKind, TransferFailure
 from connector.messages import (
     AbortAckMsg,
@@ -21,7 +23,7 @@ from connector.messages import (
     decode_encoder_bound,
 )
 from connector.poll import KVPoll
-from connector.receiver import receive_embedding
+from connector.receiver import finish_receiving, receive_embedding
 
 pytestmark = pytest.mark.transports("mooncake", "memory")
 
@@ -63,6 +65,47 @@ def test_sender_killed_mid_round_fails_rooms_naming_the_peer_and_receiver_keeps_
     wait_for(lang.allocator.all_free, 5, "the language pool to be free")
     new_peer = make_peer()
     transfer(lang, new_peer, 3, 9000)
+
+
+@pytest.mark.parametrize("next_probe", ["answered", "missed"])
+def test_a_probe_sent_before_a_room_was_created_does_not_fail_it(make_peer, make_language, next_probe: str) -> None:
+    """Two probes missed in a row declare an encoder dead, but a probe speaks only for the rooms
+    that existed when it was sent: a room created after the last one left (its init went
+    through, so a cut may have healed meanwhile) is spared, and the next probe decides for it:
+    answered, it completes with every row the encoder staged; missed, it fails as the others did.
+    (Seen in tests/test_hosts.py: a probe sent into a cut timed out just after the heal and
+    failed the first request sent after it.)"""
+    clock = ManualClock()
+    lang = make_language(clock=clock, heartbeat_interval=3600, heartbeat_max_failures=2)  # probes only from here
+    peer = make_peer(num_blocks=600)
+    expected = {room: peer.call("stage", room=room, tokens=3 * 8192, seed=room)["digests"] for room in (1, 2)}
+    older = start_room(lang, peer, 1, 64)
+    wait_for(lambda: older.poll() == KVPoll.Transferring, 30, "room 1's first round")
+    sent = clock()
+    clock.advance(1)
+    younger = start_room(lang, peer, 2, 64)
+    wait_for(lambda: younger.poll() == KVPoll.Transferring, 30, "room 2's first round")
+    for _ in range(2):
+        lang.manager._on_probe(peer.bootstrap_addr, Probe(False, why="ConnectTimeout"), started=sent)
+    assert older.poll() == KVPoll.Failed
+    with pytest.raises(TransferFailure, match="2 heartbeats missed"):
+        older.failure_exception()
+    assert younger.poll() == KVPoll.Transferring
+    assert "heartbeats missed" in lang.manager.dead_peer(peer.bootstrap_addr)
+    if next_probe == "answered":
+        lang.manager._on_probe(peer.bootstrap_addr, Probe(True, "OK"), started=clock())
+        assert lang.manager.dead_peer(peer.bootstrap_addr) == ""
+        emb = finish_receiving(younger, 60)
+        try:
+            assert emb.digests() == expected[2]
+        finally:
+            emb.release()
+    else:
+        lang.manager._on_probe(peer.bootstrap_addr, Probe(False, why="ConnectTimeout"), started=clock())
+        assert younger.poll() == KVPoll.Failed
+        with pytest.raises(TransferFailure, match="heartbeats missed"):
+            younger.failure_exception()
+    wait_for(lang.allocator.all_free, 10, "every block of the language pool back")
 
 
 def test_abort_mid_round_keeps_blocks_until_the_ack_and_late_writes_cannot_corrupt_reuse(make_peer, make_language) -> None:
