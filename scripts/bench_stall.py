@@ -17,9 +17,12 @@ context): the last line is ``stall_p99_ratio=<p99 in windows / p99 in their cont
 ``--isolate-scheduler`` gives SGLang's scheduler process CPU 0 alone and every other process
 (the encoder, SGLang's main process where the receive runs, this client) the other CPUs, each
 process with one compute thread, so that what remains in the ratio is what blocks the
-scheduler, not what shares its core.
+scheduler, not what shares its core. The encode worker stands for another host there: it runs
+at CPU priority ``--encoder-nice`` (10), so on the CPU it shares with SGLang's main process
+(the receive, and the threads that carry each token to the client) it takes what they leave;
+``--encoder-nice 0`` measures the two hosts' work on one CPU at equal priority.
 
-    .venv/bin/python scripts/bench_stall.py [--streams 8] [--images 8] [--isolate-scheduler] [--json out.json]
+    .venv/bin/python scripts/bench_stall.py [--streams 8] [--images 8] [--isolate-scheduler [--encoder-nice 10]] [--json out.json]
 """
 
 from __future__ import annotations
@@ -60,21 +63,25 @@ def start(folder: str, one_thread: bool, timeout: float = 300.0) -> tuple[Worker
     return encode, language
 
 
-def isolate_scheduler(*workers: WorkerProcess) -> str:
-    """SGLang's scheduler process on CPU 0 alone, every other process of the run on the rest."""
+def isolate_scheduler(encode: WorkerProcess, language: WorkerProcess, encoder_nice: int) -> str:
+    """SGLang's scheduler process on CPU 0 alone, every other process of the run on the rest;
+    the encode worker's threads at CPU priority ``encoder_nice``."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise SystemExit("--isolate-scheduler needs at least 2 CPUs")
     rest = cpus[1:]
     os.sched_setaffinity(0, rest)
     placed = []
-    for worker in workers:
+    for worker in (encode, language):
         root = psutil.Process(worker.proc.pid)
         for process in [root, *root.children(recursive=True)]:
             alone = "scheduler" in " ".join(process.cmdline() + [process.name()])
-            for thread in process.threads():  # affinity is per thread; set every existing one
+            for thread in process.threads():  # affinity and priority are per thread; set every existing one
                 os.sched_setaffinity(thread.id, [cpus[0]] if alone else rest)
-            placed.append(f"{process.name()}:{process.pid}->{'cpu0' if alone else 'rest'}")
+                if worker is encode:
+                    os.setpriority(os.PRIO_PROCESS, thread.id, encoder_nice)
+            placed.append(f"{process.name()}:{process.pid}->{'cpu0' if alone else 'rest'}"
+                          + (f",nice {encoder_nice}" if worker is encode else ""))
     if not any(p.endswith("cpu0") for p in placed):
         raise SystemExit(f"no scheduler process found among {placed}")
     return ", ".join(placed)
@@ -130,7 +137,7 @@ def measure(args: argparse.Namespace, folder: str, paths: list[str]) -> dict:
         make_image(448, 448, seed=7).save(warm)
         receive_window(language.url, warm)  # first passes of both sides
         if args.isolate_scheduler:
-            print(f"affinity: {isolate_scheduler(encode, language)}", file=sys.stderr, flush=True)
+            print(f"affinity: {isolate_scheduler(encode, language, args.encoder_nice)}", file=sys.stderr, flush=True)
         # enough tokens to outlast the warm-up and every image (a step is ~0.015-0.1 s here)
         tokens = int(40 + (args.quiet_s + (30 + args.control_s) * args.images) / 0.015)
         arrivals: list[list[float]] = [[] for _ in range(args.streams)]
@@ -160,6 +167,7 @@ def measure(args: argparse.Namespace, folder: str, paths: list[str]) -> dict:
     if not stalled or not control:
         raise SystemExit("no token gap overlapped a receive window or its control: more streams or images")
     return {"streams": args.streams, "images": args.images, "size": args.size, "isolated": args.isolate_scheduler,
+            "encoder_nice": args.encoder_nice if args.isolate_scheduler else 0,
             "windows_ms": [round((hi - lo) * 1e3, 1) for lo, hi in windows],
             "control": percentiles(control), "window": percentiles(stalled)}
 
@@ -174,6 +182,8 @@ def main() -> None:
     ap.add_argument("--size", default="3840x2160")
     ap.add_argument("--isolate-scheduler", action="store_true",
                     help="the scheduler process alone on CPU 0, everything else on the other CPUs")
+    ap.add_argument("--encoder-nice", type=int, default=10, choices=range(0, 20), metavar="0-19",
+                    help="with --isolate-scheduler: the encode worker's CPU priority (it stands for another host)")
     ap.add_argument("--model-path", help="Qwen2.5-VL folder (default: the seeded one, hidden 3584, one layer)")
     ap.add_argument("--json")
     args = ap.parse_args()
