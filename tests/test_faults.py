@@ -77,13 +77,13 @@ def test_a_probe_sent_before_a_room_was_created_does_not_fail_it(make_peer, make
     failed the first request sent after it.)"""
     clock = ManualClock()
     lang = make_language(clock=clock, heartbeat_interval=3600, heartbeat_max_failures=2)  # probes only from here
-    peer = make_peer(num_blocks=600)
-    expected = {room: peer.call("stage", room=room, tokens=3 * 8192, seed=room)["digests"] for room in (1, 2)}
-    older = start_room(lang, peer, 1, 64)
+    peer = make_peer()
+    expected = {room: peer.call("stage", room=room, tokens=2000, seed=room)["digests"] for room in (1, 2)}
+    older = start_room(lang, peer, 1, 8)  # 1,024 tokens: a partial first round
     wait_for(lambda: older.poll() == KVPoll.Transferring, 30, "room 1's first round")
     sent = clock()
     clock.advance(1)
-    younger = start_room(lang, peer, 2, 64)
+    younger = start_room(lang, peer, 2, 8)
     wait_for(lambda: younger.poll() == KVPoll.Transferring, 30, "room 2's first round")
     for _ in range(2):
         lang.manager._on_probe(peer.bootstrap_addr, Probe(False, why="ConnectTimeout"), started=sent)
