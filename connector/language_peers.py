@@ -5,9 +5,12 @@ restart). For peers whose register carried our extension frames this module also
 honest about being alive:
 
 * every ``interval`` each session with live rooms gets a ``PING``; a session that leaves
-  ``max_misses`` pings in a row unanswered is declared dead (its rooms fail, so their
-  encodes end and their blocks come back), and nothing is written to it until it answers a
-  ping again;
+  ``max_misses`` pings in a row unanswered (each for at least half an interval) is declared
+  dead (its rooms fail, so their encodes end and their blocks come back), and nothing is
+  written to it until it answers a ping again. A ping speaks only for the rooms that existed
+  when it was sent: a room the session joined (its init came) after the last missed ping left
+  (the first request after a cut link healed, while that ping's bytes still sit in TCP's
+  retransmission back-off) is spared, and the next ping decides for it;
 * writes to a session start only while it is *confirmed*: after this process stopped running
   for a while (SIGSTOP, a frozen VM, a long stall), the language side may have given up on
   us and freed the blocks we were about to write. So after a stall no write starts until the
@@ -54,6 +57,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from connector.messages import PingMsg, PongMsg, RegisterMsg
 from connector.zmq_link import PushSockets
@@ -108,6 +112,17 @@ MAX_CLAIMS = 4  # pools registered at one endpoint beside the one it holds, unti
 PeerKey = tuple[str, str, int]  # (Mooncake session, ZMQ endpoint, port): one registration
 
 
+class Ping(NamedTuple):
+    epoch: int  # the stall epoch it was sent in
+    sent_at: float  # on the manager's clock
+
+
+class DeadPeer(NamedTuple):
+    key: PeerKey
+    why: str
+    missed_ping_sent: float  # when the last ping counted as missed left: it speaks for the rooms joined until then
+
+
 @dataclass(frozen=True)
 class LanguagePeer:
     """One pool, as a ``register`` described it."""
@@ -150,7 +165,7 @@ class Registration:
     order: int  # registers seen before this registration's first
     claims: list[LanguagePeer] = field(default_factory=list)
     confirmed_epoch: int = -1
-    pings: dict[int, int] = field(default_factory=dict)  # unanswered ping seq -> stall epoch when sent
+    pings: dict[int, Ping] = field(default_factory=dict)  # unanswered pings by seq
     misses: int = 0  # heartbeat intervals in a row that ended with a ping unanswered
     # Declared dead by the heartbeats: nothing is written to it until it answers a ping again (a
     # write into a cut link makes Mooncake connect into it, and that connect, in TCP's SYN
@@ -180,9 +195,10 @@ class LanguagePeers:
     """Registered language endpoints and their liveness. Not thread-safe: the sender manager
     calls it under its lock."""
 
-    def __init__(self, push: PushSockets, host: str, rank_port: int, interval: float, max_misses: int) -> None:
+    def __init__(self, push: PushSockets, host: str, rank_port: int, interval: float, max_misses: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._push, self._host, self._rank_port = push, host, rank_port
-        self.interval, self.max_misses = interval, max_misses
+        self.interval, self.max_misses, self.clock = interval, max_misses, clock
         self.stall = StallWatch(threshold=max(1.0, interval / 2))
         self._regs: dict[PeerKey, Registration] = {}  # least recently registered first
         self._seq = 0
@@ -278,7 +294,7 @@ class LanguagePeers:
         if reg is None or self.writable(key):
             return
         epoch = self.stall.epoch()
-        if epoch not in reg.pings.values():
+        if not any(p.epoch == epoch for p in reg.pings.values()):
             self._ping(key, reg, epoch)
 
     def on_pong(self, msg: PongMsg) -> PongOutcome | None:
@@ -293,7 +309,7 @@ class LanguagePeers:
         reg = self._regs.get(key)
         if reg is None:
             return None
-        epoch = self._regs[pinged].pings.pop(msg.seq)
+        epoch = self._regs[pinged].pings.pop(msg.seq).epoch
         refused = []
         pools = reg.pools()
         chosen = pools[0] if msg.generation is None else next(
@@ -315,23 +331,30 @@ class LanguagePeers:
         reg.misses, reg.silent = 0, False
         return PongOutcome(self.writable(key), dropped, key, reg.order, refused)
 
-    def beat(self, live: set[PeerKey]) -> list[tuple[PeerKey, str]]:
-        """One heartbeat interval: count misses, ping again; returns ``(key, why)`` of the
-        registrations with live rooms that are now dead (forget nothing: an answer to a later ping
-        brings one back). A registration with open claims whose endpoint stays silent keeps its newest claim."""
+    def beat(self, live: dict[PeerKey, float]) -> list[DeadPeer]:
+        """One heartbeat interval: count misses, ping again; returns the registrations with live
+        rooms that are now dead (forget nothing: an answer to a later ping brings one back).
+        ``live`` maps each to when it last joined one of its live rooms: when that is after the
+        last missed ping left, the registration keeps one miss short of dead, and its next ping
+        decides for the rooms it spared. A registration with open claims whose endpoint
+        stays silent keeps its newest claim."""
         dead = []
-        epoch = self.stall.epoch()
-        for key in live | {k for k, r in self._regs.items() if r.claims}:
+        epoch, now = self.stall.epoch(), self.clock()
+        for key in live.keys() | {k for k, r in self._regs.items() if r.claims}:
             reg = self._regs.get(key)
             if reg is None or not self.speaks_ours(key):
                 continue
-            if any(e == epoch for e in reg.pings.values()):  # a ping of this epoch is still unanswered
+            # A ping of this epoch unanswered for half an interval (one sent by the last beat, not
+            # one a write asked for just now)
+            missed = [p.sent_at for p in reg.pings.values() if p.epoch == epoch and now - p.sent_at >= self.interval / 2]
+            if missed:
                 reg.misses += 1
             if reg.misses >= self.max_misses:
                 why = f"{reg.misses} pings in a row unanswered ({self.interval:g}s apart)"
-                reg.misses, reg.pings, reg.silent = 0, {}, True
+                spared = live.get(key, 0.0) > max(missed, default=now)
+                reg.misses, reg.pings, reg.silent = self.max_misses - 1 if spared else 0, {}, True
                 if key in live:
-                    dead.append((key, why))
+                    dead.append(DeadPeer(key, why, max(missed, default=now)))
                 if reg.claims:
                     log.warning("session %s at %s:%d: %s; its newest register (%s) holds, unproven", key[0],
                                 key[1], key[2], why, reg.claims[-1].describe())
@@ -345,7 +368,7 @@ class LanguagePeers:
         # proves its sender got this ping.
         self._seq += 1
         seq = (self._seq << 32) | secrets.randbits(32)
-        reg.pings[seq] = epoch
+        reg.pings[seq] = Ping(epoch, self.clock())
         self._push.try_send(key[1], key[2], PingMsg(self._host, self._rank_port, seq).encode())
 
     def close(self) -> None:

@@ -39,7 +39,7 @@ from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
 from connector.failures import FailureKind, wire_reason
-from connector.language_peers import LanguagePeer, LanguagePeers
+from connector.language_peers import LanguagePeer, LanguagePeers, PeerKey
 from connector.messages import (
     AbortAckMsg,
     AbortMsg,
@@ -191,7 +191,7 @@ class EmbeddingSenderManager:
                               config.secret)
         self.rank_port = self._pull.port
         self.peers = LanguagePeers(self._push, config.public_host, self.rank_port, config.heartbeat_interval,
-                                   config.heartbeat_max_failures)
+                                   config.heartbeat_max_failures, self.clock)
         self._writers: WriteWorkers[tuple[SenderRoom, Write]] = WriteWorkers(
             config.transfer_workers, "encode-transfer", self._run_write)
         self._threads = [threading.Thread(target=self._placer, name="encode-placer", daemon=True),
@@ -735,11 +735,20 @@ class EmbeddingSenderManager:
     def _beat(self) -> None:
         # A session whose rooms are all suspended may be a language worker restarting from its
         # checkpoint: those rooms wait (up to max_sleep), as its peers' rooms wait for it.
-        live = {d.peer for r in self._rooms.values() if r.live and r.phase != P.SUSPENDED for d in r.dsts}
-        for (session, host, port), why in self.peers.beat(live):
+        newest: dict[PeerKey, float] = {}  # each session with live rooms: when it last joined one
+        for r in self._rooms.values():
+            if r.live and r.phase != P.SUSPENDED:
+                for d in r.dsts:
+                    newest[d.peer] = max(newest.get(d.peer, r.joined), r.joined)
+        for dead in self.peers.beat(newest):
+            session, host, port = dead.key
             name = f"{host}:{port}"
-            log.error("language peer %s (session %s) declared dead: %s", name, session, why)
+            rooms = [r for r in self._rooms.values() if any(d.peer == dead.key for d in r.dsts)]
+            spared = [r.room for r in rooms if r.joined > dead.missed_ping_sent]
+            log.error("language peer %s (session %s) declared dead: %s%s", name, session, dead.why,
+                      f"; rooms {spared[:8]} were joined after the last missed ping left: the next ping decides "
+                      f"for them" if spared else "")
             self.stats["peer_dead"] += 1
-            for r in list(self._rooms.values()):
-                if any(d.peer == (session, host, port) for d in r.dsts):
-                    self._dispatch(r, ev.Fail(FailureKind.PEER_DEAD, f"language peer {name} is dead: {why}"))
+            for r in rooms:
+                if r.joined <= dead.missed_ping_sent:
+                    self._dispatch(r, ev.Fail(FailureKind.PEER_DEAD, f"language peer {name} is dead: {dead.why}"))

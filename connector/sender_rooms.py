@@ -319,6 +319,8 @@ class SenderRoom:
     room: int
     timeouts: Timeouts
     deadline: float  # of the bootstrap or resume wait
+    joined: float = 0.0  # when its language peer last joined it (an init; a resume after a sleep): the
+    # heartbeat pings sent before then speak for it, those sent after do not
     phase: SenderPhase = SenderPhase.BOOTSTRAPPING
     state: RoomState = field(default_factory=RoomState)
     claimed: bool = False  # an encode request owns it: a second one for the room is refused
@@ -494,6 +496,7 @@ class SenderRoom:
             return
         self.required_dsts = required_dsts
         self.dsts.append(dst)
+        self.joined = world.now
         if self.inited:
             self.state.advance(KVPoll.WaitingForInput)
             self._move(P.READY if self.has_data else P.AWAITING_DATA, world)
@@ -506,7 +509,7 @@ class SenderRoom:
             self._start(world, out)
             return
         if self.phase == P.SUSPENDED:  # woken or restarted language side (or encoder): rebind
-            self.dsts, self.required_dsts = [dst], 1
+            self.dsts, self.required_dsts, self.joined = [dst], 1, world.now
         else:
             self._ready_again(next(d for d in self.dsts if d.session_id == dst.session_id), dst)
         if all(d.ready for d in self.dsts):

@@ -108,6 +108,70 @@ def test_a_probe_sent_before_a_room_was_created_does_not_fail_it(make_peer, make
     wait_for(lang.allocator.all_free, 10, "every block of the language pool back")
 
 
+class PingsCut:
+    """Stands in for the encoder's sockets in its :class:`LanguagePeers`, which send only pings:
+    while ``cut`` is set each ping is dropped (a link cut from the encoder to the language worker,
+    or a ping held in TCP's retransmission back-off after it healed), otherwise sent."""
+
+    def __init__(self, push) -> None:
+        self.push, self.cut, self.dropped = push, True, 0
+
+    def try_send(self, host: str, port: int, frames: list[bytes]) -> bool:
+        if self.cut:
+            self.dropped += 1
+            return True
+        return self.push.try_send(host, port, frames)
+
+
+@pytest.mark.transports("memory")  # the encoder runs on the test's clock
+@pytest.mark.parametrize("next_ping", ["answered", "missed"])
+def test_a_ping_sent_before_a_language_worker_joined_a_room_does_not_fail_it(make_peer, make_language, next_ping: str) -> None:
+    """The encode side's heartbeat, as the test above is the language side's: two pings missed
+    declare a language worker dead, but a ping speaks only for the rooms that existed when it
+    was sent. The room created after the last missed ping left is spared, and the next ping
+    decides for it: answered, it completes with every row staged; missed, it fails too."""
+    interval = 10.0
+    clock = ManualClock()
+    peer = make_peer(clock=clock, heartbeat_interval=interval, heartbeat_max_failures=2, resume_timeout=3600,
+                     bootstrap_timeout=3600)
+    lang = make_language()
+    manager = peer.service.manager
+    expected = {room: peer.call("stage", room=room, tokens=2000, seed=room)["digests"] for room in (1, 2)}
+    older = start_room(lang, peer, 1, 8)  # 1,024 tokens: a partial first round
+    wait_for(lambda: older.poll() == KVPoll.Transferring, 30, "room 1's first round")
+    pings = manager.peers._push = PingsCut(manager.peers._push)
+
+    def beat(pinged: int) -> None:  # one heartbeat interval passes; the encoder's housekeeping beats
+        clock.advance(interval)
+        wait_for(lambda: pings.dropped + (not pings.cut) >= pinged, 5, f"ping {pinged}")
+
+    beat(1)
+    beat(2)  # the first ping missed
+    clock.advance(1)
+    younger = start_room(lang, peer, 2, 8)
+    wait_for(lambda: younger.poll() == KVPoll.Transferring, 30, "room 2's first round")
+    clock.advance(interval - 1)  # the second missed: dead, for room 1
+    wait_for(lambda: older.poll() == KVPoll.Failed, 5, "room 1 to fail")
+    with pytest.raises(TransferFailure, match="is dead: 2 pings in a row unanswered"):
+        older.failure_exception()
+    time.sleep(0.5)  # two housekeeping ticks: room 2 would have failed by now
+    assert younger.poll() == KVPoll.Transferring and peer.call("status", room=2)["status"] == "Transferring"
+    if next_ping == "answered":
+        pings.cut = False  # its resume's write waits for a ping round trip (the session is silent)
+        emb = finish_receiving(younger, 60)
+        try:
+            assert emb.digests() == expected[2]
+        finally:
+            emb.release()
+    else:
+        beat(3)  # the next ping, missed too
+        clock.advance(interval)
+        wait_for(lambda: younger.poll() == KVPoll.Failed, 5, "room 2 to fail")
+        with pytest.raises(TransferFailure, match="is dead: 2 pings in a row unanswered"):
+            younger.failure_exception()
+    wait_for(lang.allocator.all_free, 10, "every block of the language pool back")
+
+
 def test_abort_mid_round_keeps_blocks_until_the_ack_and_late_writes_cannot_corrupt_reuse(make_peer, make_language) -> None:
     lang = make_language(num_blocks=300)
     peer = make_peer(num_blocks=600)

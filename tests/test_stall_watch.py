@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import zmq
+from conftest import ManualClock
 
 from connector import language_peers
 from connector.language_peers import LanguagePeers
@@ -72,15 +73,19 @@ def test_a_session_declared_dead_is_written_again_only_once_it_answers() -> None
     (the link back) lets writes start again."""
     context = zmq.Context()
     push = PushSockets(context)
-    peers = LanguagePeers(push, "127.0.0.1", 1, interval=0.5, max_misses=2)
+    clock = ManualClock()
+    peers = LanguagePeers(push, "127.0.0.1", 1, interval=0.5, max_misses=2, clock=clock)
     try:
         assert peers.register(RegisterMsg("127.0.0.1", 1, SESSION, (1, 2, 3, 4), 1, 64, (1, 1, 1, 1)), "", set) == ""
         assert not peers.may_write(KEY)
         _answer_pings(peers)
         assert peers.writable(KEY)
-        assert peers.beat({KEY}) == []  # a ping out, nothing missed yet
-        assert peers.beat({KEY}) == []  # one interval ended with it unanswered
-        assert [key for key, _ in peers.beat({KEY})] == [KEY]  # two: declared dead
+        live = {KEY: clock()}  # a room joined before the pings below
+        assert peers.beat(live) == []  # a ping out, nothing missed yet
+        clock.advance(0.5)
+        assert peers.beat(live) == []  # one interval ended with it unanswered
+        clock.advance(0.5)
+        assert [dead.key for dead in peers.beat(live)] == [KEY]  # two: declared dead
         assert not peers.writable(KEY)
         assert not peers.may_write(KEY)  # asks again
         assert _answered_until_writable(peers), f"answered pings never confirm the session again: {peers._regs[KEY]}"
