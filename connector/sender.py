@@ -739,16 +739,20 @@ class EmbeddingSenderManager:
         for r in self._rooms.values():
             if r.live and r.phase != P.SUSPENDED:
                 for d in r.dsts:
-                    newest[d.peer] = max(newest.get(d.peer, r.joined), r.joined)
+                    newest[d.peer] = max(newest.get(d.peer, d.joined), d.joined)
         for dead in self.peers.beat(newest):
             session, host, port = dead.key
             name = f"{host}:{port}"
-            rooms = [r for r in self._rooms.values() if any(d.peer == dead.key for d in r.dsts)]
-            spared = [r.room for r in rooms if r.joined > dead.missed_ping_sent]
+            # Each room of the session: when the session first joined it (a room with several
+            # destinations of one session, as the fork's ranks may be: the earliest counts).
+            joined = {r.room: min(d.joined for d in r.dsts if d.peer == dead.key) for r in self._rooms.values()
+                      if any(d.peer == dead.key for d in r.dsts)}
+            spared = [room for room, at in joined.items() if at > dead.missed_ping_sent]
             log.error("language peer %s (session %s) declared dead: %s%s", name, session, dead.why,
                       f"; rooms {spared[:8]} were joined after the last missed ping left: the next ping decides "
                       f"for them" if spared else "")
             self.stats["peer_dead"] += 1
-            for r in rooms:
-                if r.joined <= dead.missed_ping_sent:
-                    self._dispatch(r, ev.Fail(FailureKind.PEER_DEAD, f"language peer {name} is dead: {dead.why}"))
+            why = f"language peer {name} is dead: {dead.why}"
+            for room, at in joined.items():
+                if at <= dead.missed_ping_sent and (r := self._rooms.get(room)) is not None:
+                    self._dispatch(r, ev.Fail(FailureKind.PEER_DEAD, why))

@@ -66,6 +66,9 @@ class Destination:
     block_ids: tuple[int, ...]
     allocated_tokens: int
     ready: bool = True  # has blocks for the round to come
+    # When it joined the room (its init; the resume that rebound a suspended room), on the
+    # manager's clock: the heartbeat pings sent to its session before then speak for it.
+    joined: float = 0.0
 
     @property
     def peer(self) -> tuple[str, str, int]:
@@ -319,8 +322,6 @@ class SenderRoom:
     room: int
     timeouts: Timeouts
     deadline: float  # of the bootstrap or resume wait
-    joined: float = 0.0  # when its language peer last joined it (an init; a resume after a sleep): the
-    # heartbeat pings sent before then speak for it, those sent after do not
     phase: SenderPhase = SenderPhase.BOOTSTRAPPING
     state: RoomState = field(default_factory=RoomState)
     claimed: bool = False  # an encode request owns it: a second one for the room is refused
@@ -495,8 +496,8 @@ class SenderRoom:
                 FailureKind.CONFLICT, f"room {self.room} already initialised"))), out, hold)
             return
         self.required_dsts = required_dsts
+        dst.joined = world.now
         self.dsts.append(dst)
-        self.joined = world.now
         if self.inited:
             self.state.advance(KVPoll.WaitingForInput)
             self._move(P.READY if self.has_data else P.AWAITING_DATA, world)
@@ -509,7 +510,8 @@ class SenderRoom:
             self._start(world, out)
             return
         if self.phase == P.SUSPENDED:  # woken or restarted language side (or encoder): rebind
-            self.dsts, self.required_dsts, self.joined = [dst], 1, world.now
+            dst.joined = world.now
+            self.dsts, self.required_dsts = [dst], 1
         else:
             self._ready_again(next(d for d in self.dsts if d.session_id == dst.session_id), dst)
         if all(d.ready for d in self.dsts):
