@@ -327,17 +327,17 @@ class LanguagePeers:
         dropped = [(k, r) for k, r in self._regs.items() if k[1:] == key[1:] and k != key]
         for k, _ in dropped:
             del self._regs[k]
-        reg.pings = {seq: e for seq, e in reg.pings.items() if seq > msg.seq}  # older ones are answered too
+        reg.pings = {seq: ping for seq, ping in reg.pings.items() if seq > msg.seq}  # older ones are answered too
         reg.misses, reg.silent = 0, False
         return PongOutcome(self.writable(key), dropped, key, reg.order, refused)
 
     def beat(self, live: dict[PeerKey, float]) -> list[DeadPeer]:
         """One heartbeat interval: count misses, ping again; returns the registrations with live
         rooms that are now dead (forget nothing: an answer to a later ping brings one back).
-        ``live`` maps each to when it last joined one of its live rooms: when that is after the
-        last missed ping left, the registration keeps one miss short of dead, and its next ping
-        decides for the rooms it spared. A registration with open claims whose endpoint
-        stays silent keeps its newest claim."""
+        ``live`` maps each to the latest time it joined one of its live rooms: when that is after
+        the last missed ping left, the registration keeps one miss short of dead (and the pings
+        sent since), and its next answer or miss decides for the rooms it spared. A registration
+        with open claims whose endpoint stays silent keeps its newest claim."""
         dead = []
         epoch, now = self.stall.epoch(), self.clock()
         for key in live.keys() | {k for k, r in self._regs.items() if r.claims}:
@@ -351,10 +351,15 @@ class LanguagePeers:
                 reg.misses += 1
             if reg.misses >= self.max_misses:
                 why = f"{reg.misses} pings in a row unanswered ({self.interval:g}s apart)"
-                spared = live.get(key, 0.0) > max(missed, default=now)
-                reg.misses, reg.pings, reg.silent = self.max_misses - 1 if spared else 0, {}, True
+                last_missed = max(missed, default=now)
+                if live.get(key, 0.0) > last_missed:  # rooms joined since: the pings sent since speak for them
+                    reg.misses = self.max_misses - 1
+                    reg.pings = {seq: ping for seq, ping in reg.pings.items() if ping.sent_at > last_missed}
+                else:
+                    reg.misses, reg.pings = 0, {}
+                reg.silent = True
                 if key in live:
-                    dead.append(DeadPeer(key, why, max(missed, default=now)))
+                    dead.append(DeadPeer(key, why, last_missed))
                 if reg.claims:
                     log.warning("session %s at %s:%d: %s; its newest register (%s) holds, unproven", key[0],
                                 key[1], key[2], why, reg.claims[-1].describe())

@@ -735,24 +735,29 @@ class EmbeddingSenderManager:
     def _beat(self) -> None:
         # A session whose rooms are all suspended may be a language worker restarting from its
         # checkpoint: those rooms wait (up to max_sleep), as its peers' rooms wait for it.
-        newest: dict[PeerKey, float] = {}  # each session with live rooms: when it last joined one
-        for r in self._rooms.values():
-            if r.live and r.phase != P.SUSPENDED:
-                for d in r.dsts:
-                    newest[d.peer] = max(newest.get(d.peer, d.joined), d.joined)
-        for dead in self.peers.beat(newest):
+        watched = [r for r in self._rooms.values() if r.live and r.phase != P.SUSPENDED]
+        latest: dict[PeerKey, float] = {}  # each session with live rooms: the latest time it joined one
+        for r in watched:
+            for peer, at in _first_joins(r).items():
+                latest[peer] = max(latest.get(peer, at), at)
+        for dead in self.peers.beat(latest):
             session, host, port = dead.key
             name = f"{host}:{port}"
-            # Each room of the session: when the session first joined it (a room with several
-            # destinations of one session, as the fork's ranks may be: the earliest counts).
-            joined = {r.room: min(d.joined for d in r.dsts if d.peer == dead.key) for r in self._rooms.values()
-                      if any(d.peer == dead.key for d in r.dsts)}
-            spared = [room for room, at in joined.items() if at > dead.missed_ping_sent]
+            spared = {r.room for r in watched if _first_joins(r).get(dead.key, 0.0) > dead.missed_ping_sent}
             log.error("language peer %s (session %s) declared dead: %s%s", name, session, dead.why,
-                      f"; rooms {spared[:8]} were joined after the last missed ping left: the next ping decides "
-                      f"for them" if spared else "")
+                      f"; rooms {sorted(spared)[:8]} were joined after the last missed ping left: the next ping "
+                      f"decides for them" if spared else "")
             self.stats["peer_dead"] += 1
             why = f"language peer {name} is dead: {dead.why}"
-            for room, at in joined.items():
-                if at <= dead.missed_ping_sent and (r := self._rooms.get(room)) is not None:
+            for r in list(self._rooms.values()):
+                if r.room not in spared and any(d.peer == dead.key for d in r.dsts):
                     self._dispatch(r, ev.Fail(FailureKind.PEER_DEAD, why))
+
+
+def _first_joins(r: SenderRoom) -> dict[PeerKey, float]:
+    """When each session among ``r``'s destinations joined it (several destinations of one
+    session, as the fork's ranks may be: the first)."""
+    joins: dict[PeerKey, float] = {}
+    for d in r.dsts:
+        joins[d.peer] = min(joins.get(d.peer, d.joined), d.joined)
+    return joins
