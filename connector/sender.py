@@ -735,15 +735,16 @@ class EmbeddingSenderManager:
     def _beat(self) -> None:
         # A session whose rooms are all suspended may be a language worker restarting from its
         # checkpoint: those rooms wait (up to max_sleep), as its peers' rooms wait for it.
-        watched = [r for r in self._rooms.values() if r.live and r.phase != P.SUSPENDED]
+        joins = {r.room: _first_joins(r) for r in self._rooms.values() if r.live and r.phase != P.SUSPENDED}
         latest: dict[PeerKey, float] = {}  # each session with live rooms: the latest time it joined one
-        for r in watched:
-            for peer, at in _first_joins(r).items():
+        for room_joins in joins.values():
+            for peer, at in room_joins.items():
                 latest[peer] = max(latest.get(peer, at), at)
         for dead in self.peers.beat(latest):
             session, host, port = dead.key
             name = f"{host}:{port}"
-            spared = {r.room for r in watched if _first_joins(r).get(dead.key, 0.0) > dead.missed_ping_sent}
+            spared = {room for room, room_joins in joins.items()
+                      if room_joins.get(dead.key, 0.0) > dead.missed_ping_sent}
             log.error("language peer %s (session %s) declared dead: %s%s", name, session, dead.why,
                       f"; rooms {sorted(spared)[:8]} were joined after the last missed ping left: the next ping "
                       f"decides for them" if spared else "")

@@ -43,6 +43,15 @@ def start_room(lang, peer, room: int, blocks: int):
     return receiver
 
 
+def assert_completes(receiver, digests: list) -> None:
+    """``receiver``'s room finishes (its resumes asked for) with exactly ``digests``."""
+    emb = finish_receiving(receiver, 60)
+    try:
+        assert emb.digests() == digests
+    finally:
+        emb.release()
+
+
 @pytest.mark.serial
 @pytest.mark.transports("mooncake")  # a process is killed
 def test_sender_killed_mid_round_fails_rooms_naming_the_peer_and_receiver_keeps_serving(make_peer, make_language) -> None:
@@ -95,11 +104,7 @@ def test_a_probe_sent_before_a_room_was_created_does_not_fail_it(make_peer, make
     if next_probe == "answered":
         lang.manager._on_probe(peer.bootstrap_addr, Probe(True, "OK"), started=clock())
         assert lang.manager.dead_peer(peer.bootstrap_addr) == ""
-        emb = finish_receiving(younger, 60)
-        try:
-            assert emb.digests() == expected[2]
-        finally:
-            emb.release()
+        assert_completes(younger, expected[2])
     else:
         lang.manager._on_probe(peer.bootstrap_addr, Probe(False, why="ConnectTimeout"), started=clock())
         assert younger.poll() == KVPoll.Failed
@@ -158,11 +163,7 @@ def test_a_ping_sent_before_a_language_worker_joined_a_room_does_not_fail_it(mak
     assert younger.poll() == KVPoll.Transferring and peer.call("status", room=2)["status"] == "Transferring"
     if next_ping == "answered":
         pings.cut = False  # its resume's write waits for a ping round trip (the session is silent)
-        emb = finish_receiving(younger, 60)
-        try:
-            assert emb.digests() == expected[2]
-        finally:
-            emb.release()
+        assert_completes(younger, expected[2])
     else:
         beat(3)  # the next ping, missed too
         clock.advance(interval)
