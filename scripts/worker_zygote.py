@@ -17,11 +17,16 @@ start fresh, SGLang's children spawned. Protocol, one JSON object per
 line: the parent writes ``{"id", "argv", "env", "cwd", "log", "netns"}``; the zygote answers
 ``{"id", "pid"}`` (or ``{"id", "error"}``) at once and ``{"id", "exit"}`` when that worker has ended
 (its exit code, or minus the signal that ended it, as :class:`subprocess.Popen` reports it).
+
+A process may share its zygote with the processes it starts (:func:`share`; the tests do, for the
+scripts they run): they find a Unix socket in ``EPD_ZYGOTE_SOCKET`` and speak the same protocol
+over it, so a benchmark a test runs forks its workers without importing SGLang in a zygote of its own.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import json
 import multiprocessing
@@ -30,17 +35,22 @@ import random
 import runpy
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
+import psutil
 import setproctitle
 
 LAUNCHER = "sglang.launch_server"
+SHARED_ZYGOTE = "EPD_ZYGOTE_SOCKET"  # set by a process that shares its zygote with the ones it starts
 
 
 # ---- the parent's side ----------------------------------------------------------------------------
@@ -77,11 +87,17 @@ class ForkedProcess:
 
 
 class Zygote:
-    """The parent's handle on its zygote process (started at the first :meth:`spawn`)."""
+    """The parent's handle on a zygote: its own (a child process started at the first :meth:`spawn`),
+    or, in a process started by one that shares its zygote (:meth:`share`), that one's, through the
+    Unix socket named by ``EPD_ZYGOTE_SOCKET``. The same lines go both ways."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
+        self._writer: TextIO | None = None
+        self._closed = threading.Event()
+        self._closed.set()
+        self._why_closed: Callable[[], str] = str
+        self._shared_at: str | None = None  # the socket this process serves its zygote at
         self._keys = iter(range(1, 1 << 62))
         self._pids: dict[int, dict] = {}  # key -> the zygote's answer to its spawn
         self._exits: dict[int, int] = {}
@@ -90,17 +106,17 @@ class Zygote:
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, log: str, netns: str | None = None,
               timeout: float = 120.0) -> ForkedProcess:
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                self._start()
+            if self._closed.is_set():
+                self._open()
             key = next(self._keys)
-            self._proc.stdin.write(json.dumps({"id": key, "argv": argv, "env": env, "cwd": cwd, "log": log,
-                                                "netns": netns}) + "\n")
-            self._proc.stdin.flush()
-            if not self._answered.wait_for(lambda: key in self._pids or self._proc.poll() is not None, timeout):
+            self._writer.write(json.dumps({"id": key, "argv": argv, "env": env, "cwd": cwd, "log": log,
+                                           "netns": netns}) + "\n")
+            self._writer.flush()
+            if not self._answered.wait_for(lambda: key in self._pids or self._closed.is_set(), timeout):
                 raise RuntimeError(f"the worker zygote did not fork within {timeout:g}s")
             answer = self._pids.pop(key, None)
-        if answer is None or "error" in answer:
-            why = answer["error"] if answer else "it exited:\n" + Path(self._log.name).read_text()[-3000:]
+            why = answer["error"] if answer and "error" in answer else None if answer else self._why_closed()
+        if why is not None:
             raise RuntimeError(f"the worker zygote could not fork: {why}")
         return ForkedProcess(self, key, answer["pid"], [sys.executable, "-m", LAUNCHER, *argv])
 
@@ -108,15 +124,35 @@ class Zygote:
         with self._lock:
             return self._exits.pop(key, None)
 
-    def _start(self) -> None:
-        # its own output (SGLang's import warnings, a crash) goes to a file: the workers' go to theirs
-        self._log = tempfile.NamedTemporaryFile("w+", prefix="worker-zygote-", suffix=".log", delete=False)
-        self._proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
-        threading.Thread(target=self._read, args=(self._proc,), name="zygote-reader", daemon=True).start()
+    def share(self, folder: str) -> None:
+        """Serve this zygote to the processes this one starts from now on (the scripts a test runs): they
+        fork their workers here instead of starting a zygote each (20 s of CPU on a small machine)."""
+        path = os.path.join(folder, "zygote.sock")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen()
+        self._shared_at = os.environ[SHARED_ZYGOTE] = path
+        threading.Thread(target=self._accept, args=(server,), name="zygote-share", daemon=True).start()
 
-    def _read(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
+    def _open(self) -> None:
+        shared = os.environ.get(SHARED_ZYGOTE)
+        if shared and shared != self._shared_at:  # a parent's zygote
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(shared)
+            reader, self._writer = sock.makefile("r", encoding="utf-8"), sock.makefile("w", encoding="utf-8")
+            self._why_closed = lambda: f"the zygote shared at {shared} went away"
+        else:
+            # its own output (SGLang's import warnings, a crash) goes to a file: the workers' go to theirs
+            log = tempfile.NamedTemporaryFile("w+", prefix="worker-zygote-", suffix=".log", delete=False)
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
+            reader, self._writer = proc.stdout, proc.stdin
+            self._why_closed = lambda: "it exited:\n" + Path(log.name).read_text()[-3000:]
+        self._closed.clear()
+        threading.Thread(target=self._read, args=(reader,), name="zygote-reader", daemon=True).start()
+
+    def _read(self, reader: TextIO) -> None:
+        for line in reader:
             answer = json.loads(line)
             with self._lock:
                 if "exit" in answer:
@@ -125,7 +161,51 @@ class Zygote:
                     self._pids[answer["id"]] = answer
                 self._answered.notify_all()
         with self._lock:
+            self._closed.set()
             self._answered.notify_all()
+
+    def _accept(self, server: socket.socket) -> None:
+        while True:
+            connection, _ = server.accept()
+            threading.Thread(target=self._relay, args=(connection,), name="zygote-relay", daemon=True).start()
+
+    def _relay(self, connection: socket.socket) -> None:
+        """One child process's spawns, forked here, and its workers' exits, sent back; the workers it
+        leaves behind when it goes (a script that crashed) are killed, as nobody can stop them now."""
+        workers: dict[int, ForkedProcess] = {}  # the child's key -> its worker
+        pending = b""
+        connection.settimeout(0.05)
+        with connection:
+            try:
+                while True:
+                    try:
+                        chunk = connection.recv(65536)
+                        if not chunk:
+                            break
+                        pending += chunk
+                    except TimeoutError:
+                        pass
+                    while b"\n" in pending:
+                        line, pending = pending.split(b"\n", 1)
+                        request = json.loads(line)
+                        try:
+                            worker = self.spawn(request["argv"], request["env"], request["cwd"], request["log"],
+                                                request["netns"])
+                            workers[request["id"]], answer = worker, {"id": request["id"], "pid": worker.pid}
+                        except RuntimeError as exc:
+                            answer = {"id": request["id"], "error": str(exc)}
+                        connection.sendall(json.dumps(answer).encode() + b"\n")
+                    for key, worker in list(workers.items()):
+                        if (code := worker.poll()) is not None:
+                            del workers[key]
+                            connection.sendall(json.dumps({"id": key, "exit": code}).encode() + b"\n")
+            except (OSError, ValueError, KeyError):  # the child went away, or wrote what is not a request
+                pass
+        for worker in workers.values():
+            with contextlib.suppress(psutil.Error):
+                tree = psutil.Process(worker.pid)
+                for process in [*tree.children(recursive=True), tree]:
+                    process.kill()
 
 
 _ZYGOTE = Zygote()
@@ -133,8 +213,14 @@ _ZYGOTE = Zygote()
 
 def spawn(argv: list[str], env: dict[str, str], cwd: str, log: str, netns: str | None = None) -> ForkedProcess:
     """Fork a worker running ``python -m sglang.launch_server *argv`` (in network namespace ``netns``)
-    from this process's zygote."""
+    from this process's zygote, or from the one a parent process shares."""
     return _ZYGOTE.spawn(argv, env, cwd, log, netns)
+
+
+def share(folder: str) -> None:
+    """Let the processes this one starts from now on fork their workers from its zygote (a socket in
+    ``folder``)."""
+    _ZYGOTE.share(folder)
 
 
 # ---- the zygote ------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 # each one fresh.
 os.environ.setdefault("EPD_FORK_WORKERS", "1")
 
+import worker_zygote  # noqa: E402
 import zmq  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402
 from peer_control import EncodePeer, InProcessPeer  # noqa: E402
@@ -137,6 +138,10 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def pytest_configure(config: pytest.Config) -> None:
     WATCHDOG.install()
+    if os.environ["EPD_FORK_WORKERS"] == "1" and worker_zygote.SHARED_ZYGOTE not in os.environ:
+        # One zygote for the run: xdist's workers and the scripts the tests run fork theirs from
+        # this process's (their environment names its socket), not each from a zygote of its own.
+        worker_zygote.share(tempfile.mkdtemp(prefix="epd-zygote-"))
 
 
 @pytest.fixture(autouse=True)

@@ -76,6 +76,23 @@ def test_sender_killed_mid_round_fails_rooms_naming_the_peer_and_receiver_keeps_
     transfer(lang, new_peer, 3, 9000)
 
 
+@pytest.mark.serial  # next to the other serial test: under xdist they wait once for the other worker
+@pytest.mark.parametrize("fork_register", [False, True])
+def test_block_size_mismatch_fails_fast_with_a_reason(make_peer, make_language, monkeypatch, fork_register) -> None:
+    peer, lang = make_peer(block_size=128), make_language(block_size=64)
+    if fork_register:  # no item lengths: the init's allocated_tokens gives the mismatch away
+        full = lang.manager._register_msg()
+        monkeypatch.setattr(lang.manager, "_register_msg",
+                            lambda: RegisterMsg(full.endpoint, full.dst_port, full.session_id, full.base_ptrs))
+    peer.call("stage", room=1, tokens=1000, seed=1)
+    start = time.monotonic()
+    # A peer registered as the fork gets the fork's two-frame Failed: no reason travels.
+    with pytest.raises(TransferFailure, match="no reason given" if fork_register else "pool layout mismatch"):
+        receive_embedding(lang.manager, peer.bootstrap_addr, 1, timeout=10)
+    assert time.monotonic() - start < 3
+    assert "mismatch" in peer.call("status", room=1)["reason"]
+
+
 @pytest.mark.parametrize("next_probe", ["answered", "missed"])
 def test_a_probe_sent_before_a_room_was_created_does_not_fail_it(make_peer, make_language, next_probe: str) -> None:
     """Two probes missed in a row declare an encoder dead, but a probe speaks only for the rooms
@@ -206,23 +223,6 @@ def test_an_abort_crossing_the_last_status_changes_nothing_and_is_counted(make_p
     lang.manager.abandon(peer.bootstrap_addr, 7)
     wait_for(lambda: peer.call("stats")["counters"].get("aborted_after_delivery") == 1, 10, "the crossing counted")
     assert peer.call("status", room=7)["status"] == "Success"
-
-
-@pytest.mark.serial
-@pytest.mark.parametrize("fork_register", [False, True])
-def test_block_size_mismatch_fails_fast_with_a_reason(make_peer, make_language, monkeypatch, fork_register) -> None:
-    peer, lang = make_peer(block_size=128), make_language(block_size=64)
-    if fork_register:  # no item lengths: the init's allocated_tokens gives the mismatch away
-        full = lang.manager._register_msg()
-        monkeypatch.setattr(lang.manager, "_register_msg",
-                            lambda: RegisterMsg(full.endpoint, full.dst_port, full.session_id, full.base_ptrs))
-    peer.call("stage", room=1, tokens=1000, seed=1)
-    start = time.monotonic()
-    # A peer registered as the fork gets the fork's two-frame Failed: no reason travels.
-    with pytest.raises(TransferFailure, match="no reason given" if fork_register else "pool layout mismatch"):
-        receive_embedding(lang.manager, peer.bootstrap_addr, 1, timeout=10)
-    assert time.monotonic() - start < 3
-    assert "mismatch" in peer.call("status", room=1)["reason"]
 
 
 def test_hidden_size_mismatch_is_refused(make_peer, make_language) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from conftest import ManualClock
 from test_faults import start_room, wait_for
 
 from connector.allocator import BlockAllocator
@@ -97,13 +98,14 @@ def test_language_sleeps_before_any_data_and_starts_over_with_a_resume(make_peer
     finish(lang, restored, expected)
 
 
-def test_encoder_sleeps_with_rooms_in_every_phase_and_they_all_finish(make_peer, make_language) -> None:
+def test_encoder_sleeps_with_rooms_in_every_phase_and_they_all_finish(make_peer, make_language, connector_kind) -> None:
     peer = make_peer(num_blocks=600)
     # Probes time out after one interval: 1 s leaves room for a loaded machine while the peer copies
     # 360 MB out of its pool. Room 11's first round (183 MB) must land within the waiting timeout, which
     # a CI machine running another test beside this one took more than 2.5 s for; past it, only
-    # "asleep" saves the rooms.
-    lang = make_language(num_blocks=300, heartbeat_interval=1.0, waiting_timeout=5.0)
+    # "asleep" saves the rooms. In memory the language side's timeouts and probes run on the test's clock.
+    clock = ManualClock() if connector_kind == "memory" else None
+    lang = make_language(num_blocks=300, heartbeat_interval=1.0, waiting_timeout=5.0, clock=clock)
     expected = {room: peer.call("stage", room=room, tokens=tokens, seed=room)["digests"]
                 for room, tokens in ((10, 20_000), (11, 30_000), (12, 500))}
     waiting = start_room(lang, peer, 10, 64)
@@ -113,7 +115,13 @@ def test_encoder_sleeps_with_rooms_in_every_phase_and_they_all_finish(make_peer,
     assert kept >= (20_000 + 30_000 + 500) * 3584 * 2
     queued = start_room(lang, peer, 12, 8)  # init while the encoder sleeps
     assert waiting.try_resume()  # resume while the encoder sleeps
-    time.sleep(6.5)  # past the waiting timeout: a sleeping peer is alive, its rooms wait
+    if clock is None:
+        time.sleep(6.5)  # past the waiting timeout: a sleeping peer is alive, its rooms wait
+    else:
+        clock.advance(1.0)  # one heartbeat: the probe finds the encoder asleep
+        wait_for(lambda: lang.manager.encoders.peer(peer.bootstrap_addr).asleep_since is not None, 10, "the probe")
+        clock.advance(5.5)  # past the waiting timeout
+        time.sleep(0.6)  # two of the watch's timeout checks
     assert all(r.poll() != KVPoll.Failed for r in (waiting, writing, queued))
     peer.call("wake")
     for room, receiver in ((10, waiting), (11, writing), (12, queued)):

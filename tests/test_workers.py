@@ -274,6 +274,50 @@ def test_the_language_worker_contacts_no_host_a_client_names_and_reflects_nothin
             server.shutdown()
 
 
+def test_duplicate_rid_is_refused_while_the_first_is_in_flight(pair, images) -> None:
+    body = {"rid": "dup", "bootstrap_host": "127.0.0.1", "bootstrap_port": pair.encode.bootstrap_port,
+            "bootstrap_room": 4242}
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(requests.post, f"{pair.language.url}/generate", json=body, timeout=60)
+        time.sleep(0.5)
+        second = requests.post(f"{pair.language.url}/generate", json={**body, "bootstrap_room": 4243}, timeout=10)
+        assert second.status_code == 409 and "already in progress" in second.json()["error"]
+        enc = requests.post(f"{pair.encode.url}/encode", json={"rid": "dup", "bootstrap_room": 4242,
+                                                              "images": [images["small"]]}, timeout=60)
+        assert enc.status_code == 200 and first.result().status_code == 200
+
+
+def test_a_pool_that_forces_several_rounds(images) -> None:
+    pair = Pair(language_args=("--embedding-cache-buffer-size", "40", "--embedding-default-allocate-buffer-size", "2048"))
+    try:
+        res = pair.request([images["2k"]])  # 42 blocks through a 40-block pool, 16 at first
+        assert res["match"] and res["resume_rounds"] >= 2, res
+        res = pair.request([images["4k"]])  # 83 blocks
+        assert res["match"] and res["resume_rounds"] >= 3, res
+        assert_pools_free(pair)
+    finally:
+        pair.stop()
+    for port in (pair.encode.port, pair.encode.bootstrap_port, pair.language.port):  # Ctrl-C freed them
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+
+
+def test_the_readme_main_job_pushes_a_4k_image_through_a_resume_round(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parent.parent
+    make_image(3840, 2160, seed=5).save(tmp_path / "4k.png")
+    out = subprocess.run([sys.executable, str(root / "scripts" / "transfer_large_image.py"), str(tmp_path / "4k.png"),
+                          "--json", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].split()[:2] == ["request", "images"]
+    assert lines[-1] == "1/1 requests matched, 1 resume rounds in all"
+    (result,) = json.loads((tmp_path / "out.json").read_text())
+    assert (result["tokens"], result["resume_rounds"], result["match"]) == (10549, 1, True)
+
+
+# The serial tests sit together (under xdist they wait once for the other worker), ctrl-c last: it
+# ends the module's encode worker.
 @pytest.mark.serial
 def test_hostile_media_and_json_get_400_at_once_and_the_worker_serves_on(tmp_path: Path) -> None:
     media = tmp_path / "media"
@@ -363,35 +407,6 @@ def test_a_dripping_image_server_is_cut_off_at_the_fetch_deadline_and_holds_up_n
         server.shutdown()
 
 
-def test_duplicate_rid_is_refused_while_the_first_is_in_flight(pair, images) -> None:
-    body = {"rid": "dup", "bootstrap_host": "127.0.0.1", "bootstrap_port": pair.encode.bootstrap_port,
-            "bootstrap_room": 4242}
-    with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(requests.post, f"{pair.language.url}/generate", json=body, timeout=60)
-        time.sleep(0.5)
-        second = requests.post(f"{pair.language.url}/generate", json={**body, "bootstrap_room": 4243}, timeout=10)
-        assert second.status_code == 409 and "already in progress" in second.json()["error"]
-        enc = requests.post(f"{pair.encode.url}/encode", json={"rid": "dup", "bootstrap_room": 4242,
-                                                              "images": [images["small"]]}, timeout=60)
-        assert enc.status_code == 200 and first.result().status_code == 200
-
-
-def test_a_pool_that_forces_several_rounds(images) -> None:
-    pair = Pair(language_args=("--embedding-cache-buffer-size", "40", "--embedding-default-allocate-buffer-size", "2048"))
-    try:
-        res = pair.request([images["2k"]])  # 42 blocks through a 40-block pool, 16 at first
-        assert res["match"] and res["resume_rounds"] >= 2, res
-        res = pair.request([images["4k"]])  # 83 blocks
-        assert res["match"] and res["resume_rounds"] >= 3, res
-        assert_pools_free(pair)
-    finally:
-        pair.stop()
-    for port in (pair.encode.port, pair.encode.bootstrap_port, pair.language.port):  # Ctrl-C freed them
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", port))
-
-
 @pytest.mark.serial
 def test_encoder_dying_mid_request_gives_a_5xx_naming_the_peer(images) -> None:
     pair = Pair("--heartbeat-interval", "0.5", "--heartbeat-max-failure", "2")
@@ -414,19 +429,6 @@ def test_encoder_dying_mid_request_gives_a_5xx_naming_the_peer(images) -> None:
     finally:
         pair.encode.proc.wait()
         assert pair.language.stop() == 0
-
-
-def test_the_readme_main_job_pushes_a_4k_image_through_a_resume_round(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parent.parent
-    make_image(3840, 2160, seed=5).save(tmp_path / "4k.png")
-    out = subprocess.run([sys.executable, str(root / "scripts" / "transfer_large_image.py"), str(tmp_path / "4k.png"),
-                          "--json", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.strip().splitlines()
-    assert lines[0].split()[:2] == ["request", "images"]
-    assert lines[-1] == "1/1 requests matched, 1 resume rounds in all"
-    (result,) = json.loads((tmp_path / "out.json").read_text())
-    assert (result["tokens"], result["resume_rounds"], result["match"]) == (10549, 1, True)
 
 
 @pytest.mark.serial  # it times the exit
