@@ -8,6 +8,7 @@ subprocess from one fails it."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
@@ -141,7 +142,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ["EPD_FORK_WORKERS"] == "1" and worker_zygote.SHARED_ZYGOTE not in os.environ:
         # One zygote for the run: xdist's workers and the scripts the tests run fork theirs from
         # this process's (their environment names its socket), not each from a zygote of its own.
-        worker_zygote.share(tempfile.mkdtemp(prefix="epd-zygote-"))
+        folder = tempfile.mkdtemp(prefix="epd-zygote-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        worker_zygote.share(folder)
 
 
 @pytest.fixture(autouse=True)

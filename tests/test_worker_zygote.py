@@ -17,32 +17,39 @@ from workers import ROOT
 # A script that starts two transfer-only receivers (no model) by SGLang's launcher, stops one, and
 # ends without stopping the other.
 SCRIPT = f"""
-import json, os, sys, time
+import json, os, sys
 sys.path.insert(0, {str(ROOT / "scripts")!r})
 import psutil
 from workers import WorkerProcess
 kept = WorkerProcess("language", "--transfer-only", "--device", "cpu")
 stopped = WorkerProcess("language", "--transfer-only", "--device", "cpu")
-started = time.monotonic()
 code = stopped.stop()
 print(json.dumps({{"kept": kept.proc.pid, "zygote": psutil.Process(kept.proc.pid).ppid(),
                   "descendants": [p.pid for p in psutil.Process().children(recursive=True)],
-                  "stop_code": code, "stop_s": time.monotonic() - started}}), flush=True)
+                  "stop_code": code}}), flush=True)
 os._exit(0)
 """
 
 
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_a_script_forks_from_the_shared_zygote_and_what_it_leaves_running_is_killed() -> None:
     assert os.environ.get(worker_zygote.SHARED_ZYGOTE), "conftest shares the run's zygote"
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=200, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     zygote = psutil.Process(report["zygote"])
     assert "worker_zygote.py" in " ".join(zygote.cmdline())
     assert report["zygote"] not in report["descendants"]  # not a zygote of the script's own
-    assert report["stop_code"] == 0 and report["stop_s"] < 10  # its exit came back through the socket
-    deadline = time.monotonic() + 10
-    while psutil.pid_exists(report["kept"]) and psutil.Process(report["kept"]).status() != psutil.STATUS_ZOMBIE:
+    # its exit came back through the socket (never relayed, stop() would kill it past 20 s and wait forever)
+    assert report["stop_code"] == 0, report
+    deadline = time.monotonic() + 30
+    while alive(report["kept"]):
         assert time.monotonic() < deadline, "the worker the script left running is still alive"
         time.sleep(0.1)
     assert zygote.is_running()  # the run's zygote serves on
