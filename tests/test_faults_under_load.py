@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -98,8 +99,9 @@ def test_a_language_worker_killed_under_load(load_set) -> None:
         for r in results:
             if r["encode_status"] == 200:  # delivered before the kill
                 continue
-            if r["encode_status"] == 504:  # never asked for: the encoder's wait for its init ends
-                assert "bootstrap, no init" in r["encode_error"], r
+            if r["encode_status"] == 504:  # the encoder's bootstrap wait ended: no init (never asked for),
+                # or, with 16 images queued on a loaded machine, its own embedding not ready within 3 s
+                assert re.search(r"bootstrap, no (init|encoded data) within", r["encode_error"]), r
                 assert r["encode_done_at"] - killed < BOOTSTRAP + 2.5, r
             else:  # found dead, or its write failed first: either way the error names the peer
                 assert r["encode_status"] == 502 and "language peer 127.0.0.1:" in r["encode_error"], r
@@ -156,7 +158,7 @@ def test_a_language_worker_frozen_under_load(load_set) -> None:
                 assert r["language_status"] == 200 and r["match"], r
                 continue
             assert r["encode_status"] in (502, 504) and "language peer 127.0.0.1:" in r["encode_error"] \
-                or "bootstrap, no init" in r["encode_error"], r
+                or re.search(r"bootstrap, no (init|encoded data) within", r["encode_error"]), r  # (as above)
             assert r["encode_done_at"] - frozen < max(WINDOW, BOOTSTRAP + 2.5), r
             assert r["language_status"] != 200, f"the language side finished a room its encoder gave up on: {r}"
         assert sum(r["encode_status"] == 502 for r in results) >= 1
