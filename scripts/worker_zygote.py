@@ -14,7 +14,8 @@ here). Nothing has run a torch kernel or started a thread in the launcher at tha
 Used by :class:`workers.WorkerProcess` when ``EPD_FORK_WORKERS=1`` (the test suite sets it) for
 workers started by ``python -m sglang.launch_server``; ``sglang serve`` and ``EPD_FORK_WORKERS=0``
 start fresh, SGLang's children spawned. Protocol, one JSON object per
-line: the parent writes ``{"id", "argv", "env", "cwd", "log", "netns"}``; the zygote answers
+line: the parent writes ``{"id", "argv", "env", "cwd", "log", "netns", "nice"}`` (``nice``: the CPU
+priority the worker starts at, as a child process inherits its parent's); the zygote answers
 ``{"id", "pid"}`` (or ``{"id", "error"}``) at once and ``{"id", "exit"}`` when that worker has ended
 (its exit code, or minus the signal that ended it, as :class:`subprocess.Popen` reports it).
 
@@ -104,13 +105,16 @@ class Zygote:
         self._answered = threading.Condition(self._lock)
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, log: str, netns: str | None = None,
-              timeout: float = 120.0) -> ForkedProcess:
+              nice: int | None = None, timeout: float = 120.0) -> ForkedProcess:
+        """``nice``: the worker's CPU priority; by default the calling thread's."""
+        if nice is None:
+            nice = os.getpriority(os.PRIO_PROCESS, 0)
         with self._lock:
             if self._closed.is_set():
                 self._open()
             key = next(self._keys)
             self._writer.write(json.dumps({"id": key, "argv": argv, "env": env, "cwd": cwd, "log": log,
-                                           "netns": netns}) + "\n")
+                                           "netns": netns, "nice": nice}) + "\n")
             self._writer.flush()
             if not self._answered.wait_for(lambda: key in self._pids or self._closed.is_set(), timeout):
                 raise RuntimeError(f"the worker zygote did not fork within {timeout:g}s")
@@ -190,7 +194,7 @@ class Zygote:
                         request = json.loads(line)
                         try:
                             worker = self.spawn(request["argv"], request["env"], request["cwd"], request["log"],
-                                                request["netns"])
+                                                request["netns"], request["nice"])
                             workers[request["id"]], answer = worker, {"id": request["id"], "pid": worker.pid}
                         except RuntimeError as exc:
                             answer = {"id": request["id"], "error": str(exc)}
@@ -261,6 +265,7 @@ def _run_worker(request: dict) -> None:
         os.close(null)
         if request.get("netns"):
             _enter_network_namespace(request["netns"])
+        os.setpriority(os.PRIO_PROCESS, 0, request["nice"])
         multiprocessing.set_start_method = _fork_instead_of_spawn
         os.chdir(request["cwd"])
         os.environ.clear()

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,7 @@ import zmq  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402
 from peer_control import EncodePeer, InProcessPeer  # noqa: E402
 from request_watchdog import RequestWatchdog  # noqa: E402
-from workers import dump_live_workers  # noqa: E402
+from workers import LIVE, dump_live_workers  # noqa: E402
 
 from connector.allocator import BlockAllocator  # noqa: E402
 from connector.buffers import BufferPool  # noqa: E402
@@ -51,15 +52,19 @@ from connector.receiver import EmbeddingReceiverManager  # noqa: E402
 CONNECTOR_KINDS = ("mooncake", "memory")
 WATCHDOG = RequestWatchdog(dump_live_workers)
 # Tests that time what they watch (a failure within a heartbeat window, an answer within a few
-# seconds) run alone under pytest-xdist: nothing else loads the two cores meanwhile. (Soaks
-# assert exact outputs and memory, not time: they share the machine.)
+# seconds) get the machine to themselves under pytest-xdist: two never overlap, and while one runs,
+# its processes are at the highest CPU priority, so the other worker's tests go on with what it
+# leaves of the two cores (most of these tests wait for a heartbeat, a cut or a timeout). Without
+# the right to raise a priority (CAP_SYS_NICE), the other worker waits instead. (Soaks assert exact
+# outputs and memory, not time: they share the machine.)
 SERIAL_MARKERS = ("serial", "faults", "load")
+SERIAL_NICE = -20  # the other worker's processes, at 0, get about 1% of a core a timed test wants
 
 
 class SerialLock:
     """A lock the xdist workers share through files: ``serial`` tests take it exclusively, every
-    other test shares it. A serial test that waits holds the gate, so no new test starts before
-    it (it is not starved by a stream of shared holders)."""
+    other test shares it (only where priorities cannot be raised). A serial test that waits holds the
+    gate, so no new test starts before it (it is not starved by a stream of shared holders)."""
 
     def __init__(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -79,13 +84,38 @@ class SerialLock:
                 fcntl.flock(main, fcntl.LOCK_UN)
 
 
+def _can_raise_priority() -> bool:
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, SERIAL_NICE)
+    except PermissionError:
+        return False
+    os.setpriority(os.PRIO_PROCESS, 0, 0)
+    return True
+
+
+PRIORITIES_RAISED = _can_raise_priority()
+
+
+def _set_priority(nice: int) -> None:
+    """Every thread of this process, of the processes it started and of the workers forked for it (and
+    their children), at CPU priority ``nice``; threads and workers started later inherit it (a fork
+    from the zygote too: scripts/worker_zygote.py)."""
+    for root in [os.getpid(), *(worker.proc.pid for worker in list(LIVE))]:
+        with contextlib.suppress(psutil.Error):
+            tree = psutil.Process(root)
+            for process in [tree, *tree.children(recursive=True)]:
+                for thread in process.threads():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.setpriority(os.PRIO_PROCESS, thread.id, nice)
+
+
 def _serial(item: pytest.Item | None) -> bool:
     return item is not None and any(item.get_closest_marker(name) for name in SERIAL_MARKERS)
 
 
 class ExclusiveRun:
-    """The exclusive hold a serial test's call takes, kept while the tests after it in its module
-    are serial too: a run of them waits for the other worker once, not once each."""
+    """The exclusive hold a serial test's call takes (and the raised priority), kept while the tests
+    after it in its module are serial too: a run of them waits for the other worker once, not once each."""
 
     def __init__(self) -> None:
         self._stack = contextlib.ExitStack()
@@ -94,6 +124,9 @@ class ExclusiveRun:
     def take(self, lock: SerialLock) -> None:
         self._stack.enter_context(lock.hold(exclusive=True))
         self.held = True
+        if PRIORITIES_RAISED:
+            self._stack.callback(_set_priority, 0)
+            _set_priority(SERIAL_NICE)
 
     def release(self) -> None:
         self.held = False
@@ -105,8 +138,9 @@ EXCLUSIVE = ExclusiveRun()
 
 def _phase(item: pytest.Item, serial_phase: bool):  # noqa: ANN202
     """Under xdist, the lock for one phase of ``item``: exclusive from a serial test's call (what
-    it times runs alone; see :class:`ExclusiveRun`), shared otherwise. A serial module's set-up
-    (its workers started) and tear-down share the machine: nothing is timed there."""
+    it times runs alone; see :class:`ExclusiveRun`), shared otherwise where priorities cannot be
+    raised. A serial module's set-up (its workers started) and tear-down share the machine: nothing
+    is timed there."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run is None or EXCLUSIVE.held:
         return contextlib.nullcontext()
@@ -114,7 +148,7 @@ def _phase(item: pytest.Item, serial_phase: bool):  # noqa: ANN202
     if serial_phase and _serial(item):
         EXCLUSIVE.take(lock)  # released at a teardown (below)
         return contextlib.nullcontext()
-    return lock.hold(exclusive=False)
+    return contextlib.nullcontext() if PRIORITIES_RAISED else lock.hold(exclusive=False)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

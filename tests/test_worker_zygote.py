@@ -1,6 +1,7 @@
 """The tests' worker zygote (scripts/worker_zygote.py), shared with the scripts they run: a script
 forks its workers from it instead of importing SGLang in a zygote of its own, gets their exit codes
-through the socket, and what it leaves running when it ends is killed."""
+through the socket, and what it leaves running when it ends is killed. A worker starts at its
+starter's CPU priority (the serial tests raise theirs: tests/conftest.py), as a child process would."""
 
 from __future__ import annotations
 
@@ -14,17 +15,20 @@ import psutil
 import worker_zygote
 from workers import ROOT
 
-# A script that starts two transfer-only receivers (no model) by SGLang's launcher, stops one, and
-# ends without stopping the other.
+# A script that lowers its CPU priority, starts two transfer-only receivers (no model) by SGLang's
+# launcher, stops one, and ends without stopping the other.
 SCRIPT = f"""
 import json, os, sys
 sys.path.insert(0, {str(ROOT / "scripts")!r})
 import psutil
 from workers import WorkerProcess
+wanted = min(os.getpriority(os.PRIO_PROCESS, 0) + 3, 19)
+os.setpriority(os.PRIO_PROCESS, 0, wanted)
 kept = WorkerProcess("language", "--transfer-only", "--device", "cpu")
 stopped = WorkerProcess("language", "--transfer-only", "--device", "cpu")
 code = stopped.stop()
 print(json.dumps({{"kept": kept.proc.pid, "zygote": psutil.Process(kept.proc.pid).ppid(),
+                  "nice": psutil.Process(kept.proc.pid).nice(), "wanted": wanted,
                   "descendants": [p.pid for p in psutil.Process().children(recursive=True)],
                   "stop_code": code}}), flush=True)
 os._exit(0)
@@ -46,6 +50,7 @@ def test_a_script_forks_from_the_shared_zygote_and_what_it_leaves_running_is_kil
     zygote = psutil.Process(report["zygote"])
     assert "worker_zygote.py" in " ".join(zygote.cmdline())
     assert report["zygote"] not in report["descendants"]  # not a zygote of the script's own
+    assert report["nice"] == report["wanted"] != zygote.nice()  # the script's priority, not the zygote's
     # its exit came back through the socket (never relayed, stop() would kill it past 20 s and wait forever)
     assert report["stop_code"] == 0, report
     deadline = time.monotonic() + 30
