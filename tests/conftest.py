@@ -59,6 +59,7 @@ WATCHDOG = RequestWatchdog(dump_live_workers)
 # outputs and memory, not time: they share the machine.)
 SERIAL_MARKERS = ("serial", "faults", "load")
 SERIAL_NICE = -20  # the other worker's processes, at 0, get about 1% of a core a timed test wants
+BASE_NICE = os.getpriority(os.PRIO_PROCESS, 0)  # what pytest was started at (0 unless under `nice`)
 
 
 class SerialLock:
@@ -89,7 +90,7 @@ def _can_raise_priority() -> bool:
         os.setpriority(os.PRIO_PROCESS, 0, SERIAL_NICE)
     except PermissionError:
         return False
-    os.setpriority(os.PRIO_PROCESS, 0, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, BASE_NICE)
     return True
 
 
@@ -115,7 +116,8 @@ def _serial(item: pytest.Item | None) -> bool:
 
 class ExclusiveRun:
     """The exclusive hold a serial test's call takes (and the raised priority), kept while the tests
-    after it in its module are serial too: a run of them waits for the other worker once, not once each."""
+    after it in its module are serial too: a run of them waits at most once for the other worker's
+    serial run, and its processes' priorities are set twice, not once per test."""
 
     def __init__(self) -> None:
         self._stack = contextlib.ExitStack()
@@ -125,7 +127,7 @@ class ExclusiveRun:
         self._stack.enter_context(lock.hold(exclusive=True))
         self.held = True
         if PRIORITIES_RAISED:
-            self._stack.callback(_set_priority, 0)
+            self._stack.callback(_set_priority, BASE_NICE)
             _set_priority(SERIAL_NICE)
 
     def release(self) -> None:
