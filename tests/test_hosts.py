@@ -40,6 +40,7 @@ from sglang_stack import (
     connector_health,
     connector_idle,
     image_reference,
+    metric,
     prompt,
     smg_gateway,
     write_images,
@@ -302,7 +303,7 @@ def test_a_stranger_on_the_bridge_can_do_nothing_without_the_secret_or_the_key(n
         status = subprocess.run([*stranger.exec_prefix(), sys.executable, "-c", command], capture_output=True,
                                 text=True, check=True, timeout=60).stdout.strip()
         assert status == "401", (url, status)
-    assert requests.get(f"{encode.url}/health", timeout=10).json()["state"] == "awake"
+    assert encoder_health(encode)["state"] == "awake"
     mooncake_port = int(re.search(r"mooncake=[\d.]+:(\d+)", encode.ready_line).group(1))
     for worker, host, known in ((encode, net["encoder"], {encode.port, encode.bootstrap_port, zmq_port["encode"]}),
                                 (language, net["language"], {language.port, zmq_port["language"]})):
@@ -420,13 +421,13 @@ def test_a_link_cut_mid_transfer_under_16_clients_then_healed(net, cluster, fres
     with ThreadPoolExecutor(16) as pool:
         started = time.monotonic()
         answers = [pool.submit(chat, language, image, f"cut-{i}") for i, image in enumerate(clients)]
-        while not requests.get(f"{a.url}/health", timeout=10).json()["active_rooms"]:  # a transfer under way at a
+        while not encoder_health(a)["active_rooms"]:  # a transfer under way at a
             assert time.monotonic() - started < 60, "encoder a never had a room"
             time.sleep(0.05)
         net.cut(net["encoder"], net["language"])
         cut_at = time.monotonic()
         try:
-            cut_with = requests.get(f"{a.url}/health", timeout=10).json()["active_rooms"]
+            cut_with = encoder_health(a)["active_rooms"]
             replies = [future.result() for future in answers]
             statuses = [reply.status_code for reply in replies]
             elapsed = time.monotonic() - started
@@ -455,13 +456,28 @@ def assert_served_after_heal(a: WorkerProcess, language: WorkerProcess, fresh, b
     assert after <= bound, f"after a {cut_s:.1f} s cut: {after:.1f} s (before: {before:.1f} s, bound {bound:.1f} s)"
 
 
+def encoder_health(encoder: WorkerProcess) -> dict:
+    """An encode worker's ``/health`` (its pool, its rooms, its queues)."""
+    return requests.get(f"{encoder.url}/health", timeout=10).json()
+
+
+def dispatch_in_rotation(language: WorkerProcess, fresh, timeout: float = 30.0) -> None:
+    """Until the language server's dispatch sends parts to both encoders: one it took out of
+    rotation comes back only when a request's choice of encoder finds its ``/health`` answering
+    (language_side.dispatch), so small chats go through it until both are in."""
+    deadline = time.monotonic() + timeout
+    while metric(language, "epd_encoders_healthy") < 2:
+        assert time.monotonic() < deadline, f"an encoder is still out of the dispatch's rotation after {timeout:g} s"
+        assert chat(language, fresh(448, 448), f"rotation-{time.monotonic_ns()}").status_code == 200
+
+
 def all_blocks_back(*workers: WorkerProcess, timeout: float = 30.0) -> None:
     """Every block of each encoder's pool and of the language server's free (within ``timeout``)."""
     for worker in workers:
         deadline = time.monotonic() + timeout
         while True:
             health = (connector_idle(worker, timeout) if worker.mode == "language"
-                      else requests.get(f"{worker.url}/health", timeout=10).json())
+                      else encoder_health(worker))
             if health["free_blocks"] == health["num_blocks"] or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -479,39 +495,44 @@ def wait_in_rotation(language: WorkerProcess, timeout: float = 30.0) -> None:
 @pytest.mark.serial  # the detection window is seconds: nothing else loads the machine meanwhile
 @pytest.mark.parametrize("direction", ["a to language", "language to a"])
 def test_a_one_way_cut_is_caught_by_the_heartbeats(net, cluster, fresh, before, direction: str) -> None:
-    """Packets dropped in one direction only, mid transfer under 6 clients: heartbeats go
-    unanswered (their answers lost, or never arriving), so within the detection bound one side
-    declares the other dead: the language side a (its probes of a), or a the language side (its
-    pings); with only language-to-a cut, a's reports of the rooms it failed still arrive and may
-    end the language side's rooms before its own probes missed twice. Every client is answered
+    """Packets dropped in one direction only, then 6 clients: their parts sent to a meet the cut,
+    heartbeats go unanswered (their answers lost, or never arriving), so within the detection bound
+    one side declares the other dead: the language side a (its probes of a), or a the language side
+    (its pings); with only language-to-a cut, a's reports of the rooms it failed still arrive and
+    may end the language side's rooms before its own probes missed twice. Every client is answered
     by b; once the link is back a serves again, its first request within twice its time before,
-    and every block is free. Heartbeats watch only peers with rooms: six clients, not four, so
-    that a still has requests to serve once the cut is in place (with a CPU hog beside it, a's
-    three of four were all served, and the cut came after the last: no room, nothing to find)."""
+    and every block is free.
+
+    The cut comes before the clients, with both encoders in the dispatch's rotation: heartbeats
+    watch only peers with rooms, and a cut made once a showed a room could come after a's last room
+    had ended (it batches them: they end together), with nothing left to find. Cutting while a is
+    sending is test_a_link_cut_mid_transfer's."""
     a, b, language = cluster["encoder"], cluster["encoder2"], cluster["language"]
     sender, receiver = (net["language"], net["encoder"]) if direction == "language to a" else (net["encoder"], net["language"])
     tag = direction.split()[0]
+    declared = {language: re.compile(rf"encode peer \S*{re.escape(a.host)}:{a.bootstrap_port} declared dead"),
+                a: re.compile(rf"language peer {re.escape(language.host)}:\d+ \(session \S+\) declared dead")}
+
+    def deaths() -> int:
+        return sum(bool(pattern.search(line)) for worker, pattern in declared.items() for line in worker.log)
+
+    images = [fresh(1920, 1080) for _ in range(6)]
+    dispatch_in_rotation(language, fresh)  # a gets parts: its /health was answered before the cut
+    before_cut = deaths()
     try:
+        net.cut(sender, receiver, one_way=True)
+        cut_at = time.monotonic()
         with ThreadPoolExecutor(6) as pool:
-            started = time.monotonic()
-            answers = [pool.submit(chat, language, fresh(1920, 1080), f"one-way-{tag}-{i}") for i in range(6)]
-            while not requests.get(f"{a.url}/health", timeout=10).json()["active_rooms"]:
-                assert time.monotonic() - started < 60, "encoder a never had a room"
-                time.sleep(0.05)
-            declared = {language: re.compile(rf"encode peer \S*{re.escape(a.host)}:{a.bootstrap_port} declared dead"),
-                        a: re.compile(rf"language peer {re.escape(language.host)}:\d+ \(session \S+\) declared dead")}
-
-            def deaths() -> int:
-                return sum(bool(pattern.search(line)) for worker, pattern in declared.items() for line in worker.log)
-
-            before_cut = deaths()
-            net.cut(sender, receiver, one_way=True)
-            cut_at = time.monotonic()
+            answers = [pool.submit(chat, language, image, f"one-way-{tag}-{i}") for i, image in enumerate(images)]
             while deaths() == before_cut:
-                assert time.monotonic() - cut_at < DETECTION_S + 2, "the one-way cut was not found"
+                found_s = time.monotonic() - cut_at
+                assert found_s < DETECTION_S + 2, (
+                    f"the one-way cut was not found in {found_s:.1f} s: encoder a {encoder_health(a)}, "
+                    f"the language server's connector {connector_health(language)}")
                 time.sleep(0.2)
+            print(f"\n{direction}: the cut was found {time.monotonic() - cut_at:.1f} s after it began")
             statuses = [future.result().status_code for future in answers]
-            elapsed = time.monotonic() - started
+            elapsed = time.monotonic() - cut_at
     finally:
         net.heal(sender)  # a failed test leaves no cut for the next
     assert statuses == [200] * 6, statuses
@@ -583,7 +604,7 @@ def test_an_encoder_host_killed_under_48_clients_costs_no_client_its_answer(net,
     with ThreadPoolExecutor(48) as pool:
         started = time.monotonic()
         answers = [pool.submit(chat, languages[i % 2], image, f"kill-{i}", False) for i, image in enumerate(clients)]
-        while not requests.get(f"{b.url}/health", timeout=10).json()["active_rooms"]:
+        while not encoder_health(b)["active_rooms"]:
             assert time.monotonic() - started < 120, "encoder b never had a room"
             time.sleep(0.05)
         pids = subprocess.run(["ip", "netns", "pids", net["encoder2"].netns], capture_output=True, text=True,
@@ -619,7 +640,7 @@ def test_ctrl_c_right_after_a_4k_image_ends_the_encode_worker_within_2_s(net, wo
     after the 4K requests above, SIGINT ends the encode worker at once (issue 34: it took 5-15 s)
     and leaves no process of it on its host."""
     encode, language = workers
-    health = requests.get(f"{encode.url}/health", timeout=10).json()
+    health = encoder_health(encode)
     assert health["free_blocks"] == health["num_blocks"], health
     idle = connector_idle(language)
     assert idle["free_blocks"] == idle["num_blocks"], idle
