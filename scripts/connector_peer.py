@@ -167,6 +167,7 @@ def main() -> None:
     ap.add_argument("--hidden-size", type=int, default=3584)
     ap.add_argument("--resume-timeout", type=float, default=60.0)
     ap.add_argument("--bootstrap-timeout", type=float, default=60.0)
+    ap.add_argument("--heartbeat-interval", type=float, default=ConnectorConfig.heartbeat_interval)
     ap.add_argument("--completion", default="poll")
     ap.add_argument("--control-secret", default="")
     args = ap.parse_args()
@@ -175,7 +176,8 @@ def main() -> None:
 
     config = ConnectorConfig(host=args.host, num_blocks=args.num_blocks, block_size=args.block_size,
                              hidden_size=args.hidden_size, resume_timeout=args.resume_timeout,
-                             bootstrap_timeout=args.bootstrap_timeout, completion=args.completion,
+                             bootstrap_timeout=args.bootstrap_timeout, heartbeat_interval=args.heartbeat_interval,
+                             completion=args.completion,
                              control_secret=args.control_secret)
     service = PeerService(config, MooncakeTransport.for_worker(config),
                           args.bootstrap_port)

@@ -15,7 +15,7 @@ import requests
 import torch
 from image_cache import saved_image
 from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs
-from workers import SGLANG_LAUNCH, WorkerProcess, start_together  # noqa: F401  (the modules import them here)
+from workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, start_together  # noqa: F401  (the modules import them here)
 
 NEW_TOKENS = 12
 PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
@@ -125,10 +125,26 @@ def qwen_encoder(folder: str, *flags: str, **kwargs) -> WorkerProcess:
 def language_server(folder: str, encoders: list[str], *flags: str) -> WorkerProcess:
     """SGLang's own server as the language worker on ``folder``, sending images to ``encoders``
     (their URLs), with :data:`LANGUAGE_FLAGS` and ``flags``."""
-    from workers import SGLANG_READY
-
     return WorkerProcess("language", "--model-path", folder, *LANGUAGE_FLAGS, *flags, "--encoder-urls", *encoders,
                          command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
+
+
+@contextlib.contextmanager
+def sglang_pair(folder: str, *language_flags: str) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
+    """SGLang's encoder on ``folder``, then SGLang's server as the language worker sending images
+    to it (with ``language_flags``); both stopped on leaving."""
+    encode = WorkerProcess("encode", "--model-path", folder, command=SGLANG_LAUNCH)
+    try:
+        language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url, *language_flags,
+                                 command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
+    except BaseException:
+        encode.stop()
+        raise
+    try:
+        yield encode, language
+    finally:
+        language.stop()
+        encode.stop()
 
 
 @contextlib.contextmanager

@@ -25,7 +25,10 @@ pytestmark = pytest.mark.transports("mooncake", "memory")
 def test_only_peers_with_our_register_frames_get_the_total_early(make_peer, raw_language, raw_pool) -> None:
     raw, (transport, pool) = raw_language, raw_pool
     raw.session = transport.session_id
-    peer = make_peer(resume_timeout=1)  # the rooms left waiting for a resume end by themselves
+    # The rooms left waiting for a resume end by themselves. Pings 60 s apart: the only one within
+    # the test is the first write's (a periodic one, or one after a stall of half the interval,
+    # would come too where the test is starved for seconds by a serial test beside it).
+    peer = make_peer(resume_timeout=1, heartbeat_interval=60)
     raw.connect(peer.info["rank_port"])
     for room, fork in ((1, True), (2, False)):
         peer.call("stage", room=room, tokens=20_000, seed=room)

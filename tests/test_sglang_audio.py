@@ -20,8 +20,8 @@ import pytest
 import requests
 from checkpoint_qwen2_audio import write_qwen2_audio_checkpoint
 from monolithic import Greedy, greedy_generate, greedy_mismatch
-from sglang_stack import AUDIO_CLIPS, NEW_TOKENS, SGLANG_LAUNCH, write_audio_clips
-from workers import SGLANG_READY, WorkerProcess
+from sglang_stack import AUDIO_CLIPS, NEW_TOKENS, sglang_pair, write_audio_clips
+from workers import WorkerProcess
 
 pytestmark = pytest.mark.sglang
 
@@ -45,16 +45,8 @@ def clips(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def workers(folder):
-    encode = WorkerProcess("encode", "--model-path", folder, command=SGLANG_LAUNCH)
-    try:
-        language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url,
-                                 "--skip-server-warmup", command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
-    except BaseException:
-        encode.stop()
-        raise
-    yield encode, language
-    language.stop()
-    encode.stop()
+    with sglang_pair(folder, "--skip-server-warmup") as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

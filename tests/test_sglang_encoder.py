@@ -34,12 +34,13 @@ from sglang_stack import (
     generate_as_reference,
     generate_videos,
     prompt,
+    sglang_pair,
     write_clips,
     write_images,
 )
 from test_faults import wait_for
 from test_sleep_workers import sleep_, wake
-from workers import SGLANG_READY, WorkerProcess
+from workers import WorkerProcess
 
 from connector.poll import KVPoll
 from connector.receiver import finish_receiving
@@ -67,18 +68,9 @@ def clips(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def workers(folder):
-    encode = WorkerProcess("encode", "--model-path", folder, command=SGLANG_LAUNCH)
-    try:
-        language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url,
-                                 "--max-total-tokens", "32768", "--skip-server-warmup",
-                                 "--embedding-default-allocate-buffer-size", str(FIRST_ALLOCATION),
-                                 command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
-    except BaseException:
-        encode.stop()
-        raise
-    yield encode, language
-    language.stop()
-    encode.stop()
+    with sglang_pair(folder, "--max-total-tokens", "32768", "--skip-server-warmup",
+                         "--embedding-default-allocate-buffer-size", str(FIRST_ALLOCATION)) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

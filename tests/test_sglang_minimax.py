@@ -21,9 +21,9 @@ import requests
 from checkpoint_minimax import write_minimax_m3_vl_checkpoint
 from monolithic import Greedy, greedy_generate, greedy_mismatch
 from PIL import Image
-from sglang_stack import NEW_TOKENS, SGLANG_LAUNCH, SIZES, write_images
+from sglang_stack import NEW_TOKENS, SIZES, sglang_pair, write_images
 from transfer_large_image import make_image
-from workers import SGLANG_READY, WorkerProcess
+from workers import WorkerProcess
 
 pytestmark = pytest.mark.sglang
 
@@ -48,17 +48,9 @@ def images(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def workers(folder):
-    encode = WorkerProcess("encode", "--model-path", folder, command=SGLANG_LAUNCH)
-    try:
-        language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url,
-                                 "--skip-server-warmup", "--embedding-default-allocate-buffer-size",
-                                 str(FIRST_ALLOCATION), command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
-    except BaseException:
-        encode.stop()
-        raise
-    yield encode, language
-    language.stop()
-    encode.stop()
+    with sglang_pair(folder, "--skip-server-warmup", "--embedding-default-allocate-buffer-size",
+                         str(FIRST_ALLOCATION)) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
