@@ -36,6 +36,7 @@ os.environ.setdefault("EPD_FORK_WORKERS", "1")
 
 import worker_zygote  # noqa: E402
 import zmq  # noqa: E402
+from hypothesis import settings  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402
 from peer_control import EncodePeer, InProcessPeer  # noqa: E402
 from request_watchdog import RequestWatchdog  # noqa: E402
@@ -50,6 +51,10 @@ from connector.mooncake_transport import MooncakeTransport  # noqa: E402
 from connector.receiver import EmbeddingReceiverManager  # noqa: E402
 
 CONNECTOR_KINDS = ("mooncake", "memory")
+# No per-example deadline: an example is not timed (a run beside a serial test, starved for a
+# second, took 368 ms for one that takes 0.3 ms).
+settings.register_profile("untimed", deadline=None)
+settings.load_profile("untimed")
 WATCHDOG = RequestWatchdog(dump_live_workers)
 # Tests that time what they watch (a failure within a heartbeat window, an answer within a few
 # seconds) get the machine to themselves under pytest-xdist: two never overlap, and while one runs,

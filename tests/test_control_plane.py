@@ -87,6 +87,7 @@ def test_a_register_naming_a_live_session_from_elsewhere_or_with_a_forged_pool_t
     assert raw.recv(0.5) is None and raw.pings == 0  # the stranger's endpoint was never pinged or written
 
 
+@pytest.mark.serial  # timed (one ping round trip, not 10 s): a starved run took 3.2 s
 @pytest.mark.parametrize("forged_at", ["a silent endpoint", "an endpoint answering pings", "the worker's endpoint"])
 def test_a_register_forged_before_the_workers_first_keeps_it_out_one_ping_round_trip_at_most(
         make_peer, make_language, raw_language, forged_at) -> None:
@@ -167,6 +168,7 @@ def test_an_abort_or_resume_from_a_stranger_changes_nothing(make_peer, make_lang
     resume_and_match(receiver, expected)
 
 
+@pytest.mark.serial  # timed: at once, not after the peer's timeouts
 @pytest.mark.parametrize("forged", [AbortMsg, SuspendMsg])
 def test_an_abort_or_suspend_forged_with_the_owners_endpoint_fails_the_owners_room_at_once(
         make_peer, make_language, raw_language, forged) -> None:

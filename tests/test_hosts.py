@@ -541,6 +541,7 @@ def test_a_one_way_cut_is_caught_by_the_heartbeats(net, cluster, fresh, before, 
     all_blocks_back(a, b, language)
 
 
+@pytest.mark.serial  # timed: within the two probes' bound
 def test_a_language_host_cut_off_from_every_encoder_answers_503_then_recovers(net, cluster, fresh) -> None:
     """With both encoder hosts unreachable, an image request is a 503 with Retry-After (no encoder
     answers /health) within the probe's bound, text is still served, and once the links are back
@@ -635,6 +636,7 @@ def stop_alone(worker: WorkerProcess, host) -> float:
     return took
 
 
+@pytest.mark.serial  # timed: the exit within 2 s
 def test_ctrl_c_right_after_a_4k_image_ends_the_encode_worker_within_2_s(net, workers) -> None:
     """(Last but one in this module: it stops the encoder.) Every block of both pools is back
     after the 4K requests above, SIGINT ends the encode worker at once (issue 34: it took 5-15 s)

@@ -423,6 +423,7 @@ def test_a_clients_bad_input_is_its_400_and_blames_no_encoder(cluster, images) -
     assert metric(lang, "epd_encoders_healthy") == 2 and metric(lang, "epd_encoder_retries_total") == retries
 
 
+@pytest.mark.serial  # timed: an abort answered within 1.5 s
 def test_asleep_or_aborted_requests_blame_no_encoder(cluster, images) -> None:
     """A language server asleep answers 503 with Retry-After before asking any encoder; an
     /abort_request while its images are being encoded ends the request at once (499) and gives

@@ -182,6 +182,7 @@ def test_a_write_held_past_the_limit_frees_its_room(encoder, monkeypatch) -> Non
     wait_for(allocator.all_free, 5, "the source blocks")
 
 
+@pytest.mark.serial  # timed: refused within 1 s, not after the held write
 def test_a_pause_is_refused_at_once_while_a_write_is_held(encoder) -> None:
     """The encode worker's sleep waits for writes in flight; a held one may take minutes."""
     start, raw = encoder

@@ -233,6 +233,7 @@ class _Banner(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.serial  # timed: refused within 2 s, not after a connect timeout
 def test_the_language_worker_contacts_no_host_a_client_names_and_reflects_nothing(pair) -> None:
     """Issue 26 (4). Before, /generate with bootstrap_host/bootstrap_port made the worker GET
     http://HOST:PORT/route for any host and put the remote status (or the connection error) in
