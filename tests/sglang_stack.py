@@ -187,6 +187,11 @@ def metric(worker: WorkerProcess, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
+def encoder_health(encoder: WorkerProcess) -> dict:
+    """An encode worker's ``/health`` (its state, pool, rooms, queues and modalities)."""
+    return requests.get(f"{encoder.url}/health", timeout=10).json()
+
+
 def connector_health(language: WorkerProcess) -> dict:
     """The language server's connector: ``/epd/health`` (pool, rooms in each phase, failing encoders)."""
     return requests.get(f"{language.url}/epd/health", timeout=10).json()

@@ -39,6 +39,7 @@ from sglang_stack import (
     connector_address,
     connector_health,
     connector_idle,
+    encoder_health,
     image_reference,
     metric,
     prompt,
@@ -454,11 +455,6 @@ def assert_served_after_heal(a: WorkerProcess, language: WorkerProcess, fresh, b
     bound = 2 * before + 1 + MOONCAKE_STATUS_S
     print(f"\n{rid}: {after:.2f} s after a {cut_s:.1f} s cut (before: {before:.2f} s, bound {bound:.1f} s)")
     assert after <= bound, f"after a {cut_s:.1f} s cut: {after:.1f} s (before: {before:.1f} s, bound {bound:.1f} s)"
-
-
-def encoder_health(encoder: WorkerProcess) -> dict:
-    """An encode worker's ``/health`` (its pool, its rooms, its queues)."""
-    return requests.get(f"{encoder.url}/health", timeout=10).json()
 
 
 def dispatch_in_rotation(language: WorkerProcess, fresh, timeout: float = 30.0) -> None:

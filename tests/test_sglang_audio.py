@@ -20,7 +20,7 @@ import pytest
 import requests
 from checkpoint_qwen2_audio import write_qwen2_audio_checkpoint
 from monolithic import Greedy, greedy_generate, greedy_mismatch
-from sglang_stack import AUDIO_CLIPS, NEW_TOKENS, sglang_pair, write_audio_clips
+from sglang_stack import AUDIO_CLIPS, NEW_TOKENS, encoder_health, sglang_pair, write_audio_clips
 from workers import WorkerProcess
 
 pytestmark = pytest.mark.sglang
@@ -86,7 +86,7 @@ def generate(language: WorkerProcess, paths: list[str], rid: str) -> requests.Re
 def test_the_encode_worker_runs_sglangs_encoder_for_audio(workers) -> None:
     encode, language = workers
     assert "encoder=sglang:qwen2_audio" in encode.ready_line, encode.ready_line
-    assert requests.get(f"{encode.url}/health", timeout=10).json()["modalities"] == ["audio"]
+    assert encoder_health(encode)["modalities"] == ["audio"]
     # the language server's model is built without the audio tower and its projector, whose
     # weights are never read (sglang_ext.no_encoder_tower); the greedy tests below pass through it
     assert [line for line in language.log if "Qwen2AudioForConditionalGeneration built without its audio tower" in line]

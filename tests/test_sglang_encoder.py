@@ -30,6 +30,7 @@ from sglang_stack import (
     NEW_TOKENS,
     SGLANG_LAUNCH,
     SIZES,
+    encoder_health,
     generate,
     generate_as_reference,
     generate_videos,
@@ -99,7 +100,7 @@ def reference(folder):
 def test_the_encode_worker_runs_sglangs_encoder_for_the_checkpoint(workers) -> None:
     encode, language = workers
     assert "encoder=sglang:qwen3_vl" in encode.ready_line, encode.ready_line
-    health = requests.get(f"{encode.url}/health", timeout=10).json()
+    health = encoder_health(encode)
     assert health["status"] == "ok" and health["preprocessing"], health
     # the language server's model is built without the tower (sglang_ext.no_encoder_tower); the
     # greedy tests below pass through it

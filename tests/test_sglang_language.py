@@ -32,6 +32,7 @@ from sglang_stack import (
     NEW_TOKENS,
     SGLANG_LAUNCH,
     SIZES,
+    encoder_health,
     generate,
     generate_as_reference,
     generate_videos,
@@ -797,7 +798,7 @@ def test_the_encoders_sleep_and_wake_need_its_admin_key(workers) -> None:
         refused = requests.post(f"{encode.url}/sleep", params={"preserve_state": "true"}, headers=headers, timeout=60)
         assert refused.status_code == 401 and "admin API key" in refused.json()["error"], refused.text
         assert requests.post(f"{encode.url}/wake_up", headers=headers, timeout=60).status_code == 401
-    assert requests.get(f"{encode.url}/health", timeout=10).json()["state"] == "awake"
+    assert encoder_health(encode)["state"] == "awake"
     slept = requests.post(f"{encode.url}/sleep", params={"preserve_state": "true"}, headers=ADMIN, timeout=60)
     assert slept.status_code == 200 and slept.json()["is_sleeping"], slept.text
     woke = requests.post(f"{encode.url}/wake_up", headers=ADMIN, timeout=60)

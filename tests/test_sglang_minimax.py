@@ -21,7 +21,7 @@ import requests
 from checkpoint_minimax import write_minimax_m3_vl_checkpoint
 from monolithic import Greedy, greedy_generate, greedy_mismatch
 from PIL import Image
-from sglang_stack import NEW_TOKENS, SIZES, sglang_pair, write_images
+from sglang_stack import NEW_TOKENS, SIZES, encoder_health, sglang_pair, write_images
 from transfer_large_image import make_image
 from workers import WorkerProcess
 
@@ -83,7 +83,7 @@ def generate(language: WorkerProcess, paths: list[str], rid: str) -> dict:
 def test_the_encode_worker_runs_sglangs_encoder_for_minimax(workers) -> None:
     encode, language = workers
     assert "encoder=sglang:minimax_m3_vl" in encode.ready_line, encode.ready_line
-    assert requests.get(f"{encode.url}/health", timeout=10).json()["modalities"] == ["image"]
+    assert encoder_health(encode)["modalities"] == ["image"]
     # the language server's model is built without the vision tower (its projector and merger in
     # it), whose weights are never read (sglang_ext.no_encoder_tower); the greedy tests pass through it
     dropped = [line for line in language.log if "built without its vision tower" in line]

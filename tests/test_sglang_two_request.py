@@ -17,7 +17,7 @@ import pytest
 import requests
 from fork_peers import ForkEncoder
 from monolithic import greedy_mismatch
-from sglang_stack import NEW_TOKENS, generate, image_reference, prompt, write_images
+from sglang_stack import NEW_TOKENS, encoder_health, generate, image_reference, prompt, write_images
 from transfer_large_image import make_image
 from transformers import AutoTokenizer
 from workers import WorkerProcess, start_together
@@ -181,7 +181,7 @@ def test_an_abort_of_the_generate_half_ends_the_encode_half(workers, tmp_path) -
                                  json=named(encode, rid, room, 1, new_tokens=4))
         encoding = pool.submit(requests.post, f"{encode.url}/encode", timeout=120,
                                json={"rid": rid, "bootstrap_room": room, "images": [fresh_4k(tmp_path, 71)]})
-        wait_until(lambda: requests.get(f"{encode.url}/health", timeout=10).json()["pending"] > 0, "encoding")
+        wait_until(lambda: encoder_health(encode)["pending"] > 0, "encoding")
         aborted_at = time.monotonic()
         assert requests.post(f"{language.url}/abort_request", json={"rid": rid}, timeout=30).status_code == 200
         generated, encoded = generating.result(timeout=60), encoding.result(timeout=60)
@@ -214,7 +214,7 @@ def test_a_router_giving_up_on_the_encode_half_ends_the_generate_half(workers, t
 
 
 def pools_free(encode: WorkerProcess, language: WorkerProcess) -> bool:
-    enc = requests.get(f"{encode.url}/health", timeout=10).json()
+    enc = encoder_health(encode)
     lang = requests.get(f"{language.url}/epd/health", timeout=10).json()
     return enc["free_blocks"] == enc["num_blocks"] and lang["free_blocks"] == lang["num_blocks"] and \
         not lang["transferring"] and not lang["queued"]
