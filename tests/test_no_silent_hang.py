@@ -45,7 +45,7 @@ from connector.poll import KVPoll
 
 pytestmark = [pytest.mark.faults, pytest.mark.sglang]
 
-INTERVAL, MISSES, ATTEMPTS = 0.5, 2, 3  # --heartbeat-interval, --heartbeat-max-failure, attempts (min(3, 2) = 2 here: looser)
+INTERVAL, MISSES, ATTEMPTS = 1.0, 2, 3  # --heartbeat-interval, --heartbeat-max-failure, attempts (min(3, 2) = 2 here: looser)
 ACK = 2.0  # --abort-ack-timeout: blocks a frozen encoder may still write into wait this long for its ack
 HEARTBEAT = ("--heartbeat-interval", str(INTERVAL), "--heartbeat-max-failure", str(MISSES),
              "--abort-ack-timeout", str(ACK))
@@ -115,19 +115,29 @@ def bound(cluster, image_paths) -> Callable[[], float]:
     docstring), measured at the first call. A test calls it, so that what it times runs alone
     (under xdist only a test's call does, ``conftest.py``; a fixture's set-up shares the cores
     with the other worker's tests: in CI both encoders failed a fault-free part there, with
-    heartbeats of 0.5 s x 2 misses)."""
+    heartbeats of 0.5 s x 2 misses; and in the call once, which the 1 s heartbeats are for)."""
 
     @functools.cache
     def measure() -> float:
         _, lang = cluster
         answers = run_16(lang, image_paths)  # the first forward passes too: a looser bound, never a tighter one
-        assert all(status == 200 for status, _, _ in answers), answers
+        failed = [(status, round(seconds, 1), body[:500]) for status, seconds, body in answers if status != 200]
+        assert not failed, f"{len(failed)} of 16 fault-free requests failed: {failed}\n{failures_logged(cluster)}"
         fault_free = max(seconds for _, seconds, _ in answers)
         limit = 2 * fault_free + ATTEMPTS * DETECT + ACK + SLACK
         print(f"\nfault-free: slowest of 16 answered in {fault_free:.1f}s; bound {limit:.1f}s")
         return limit
 
     return measure
+
+
+def failures_logged(cluster) -> str:
+    """The last lines of the workers' logs that tell of a failure (a peer found dead, a room or a
+    part failed): why a request failed where nothing was done to fail it."""
+    encoders, lang = cluster
+    lines = [f"{worker.mode} {worker.url}: {line.rstrip()[:300]}" for worker in (lang, *encoders)
+             for line in worker.log[-2000:] if re.search(r"failed|dead|missed", line)]
+    return "\n".join(lines[-40:])
 
 
 def assert_answered_within(answers: list[tuple[int, float, str]], limit: float, all_ok: bool = True) -> None:
@@ -176,7 +186,7 @@ def test_a_frozen_encoder_costs_no_client_more_than_the_bound(cluster, image_pat
     # Read while the clients wait: the report lasts 30 s after the peer's last failed room, and a
     # slow machine can take longer than that to answer the other clients. Read until it names the
     # frozen encoder: the other one, carrying every part on a loaded 2-core machine, can miss two
-    # probes of 0.5 s too (in CI it was listed first once); its rooms are then sent again.
+    # probes of 1 s too (in CI it was listed first once); its rooms are then sent again.
     peer = f"127.0.0.1:{frozen.bootstrap_port}"
     degraded: list[dict] = []
     answered = threading.Event()
@@ -252,14 +262,14 @@ def test_forged_registers_and_frames_cost_no_client_anything(cluster, image_path
     assert connector_health(lang)["status"] == "ok"
 
 
-def test_the_language_worker_frozen_for_3s_answers_every_client_within_the_bound(cluster, image_paths, bound) -> None:
+def test_the_language_worker_frozen_for_5s_answers_every_client_within_the_bound(cluster, image_paths, bound) -> None:
     """The language server's main process is stopped (SGLang's HTTP server and tokenizer manager,
     and the connector; SGLang's scheduler runs on): the encoders find it dead (their pings
     unanswered) and end its rooms; once it runs again its parts go out again: each client gets
     its answer or a clear error."""
     limit = bound()
     encoders, lang = cluster
-    frozen_for = 3.0
+    frozen_for = 5.0  # longer than the encoders' detection, INTERVAL x (MISSES + 1)
     endpoint = "{}:{}".format(*connector_address(lang)[:2])
     thaw = threading.Timer(frozen_for, lambda: os.kill(lang.proc.pid, signal.SIGCONT))
     reported: list[dict] = []
