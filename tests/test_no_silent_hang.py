@@ -269,7 +269,7 @@ def test_the_language_worker_frozen_for_5s_answers_every_client_within_the_bound
     its answer or a clear error."""
     limit = bound()
     encoders, lang = cluster
-    frozen_for = 5.0  # longer than the encoders' detection, INTERVAL x (MISSES + 1)
+    frozen_for = INTERVAL * (MISSES + 1) + 2.0  # 5 s: 2 s past the encoders' detection of it
     endpoint = "{}:{}".format(*connector_address(lang)[:2])
     thaw = threading.Timer(frozen_for, lambda: os.kill(lang.proc.pid, signal.SIGCONT))
     reported: list[dict] = []
