@@ -54,6 +54,8 @@ QWEN2_AUDIO_FEATURE = "sglang.srt.models.qwen2_audio.Qwen2AudioForConditionalGen
 # every batch's sampling seeded per request (sglang_ext/seeds.py), in our language mode
 SAMPLING_BATCH_INFO = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch"
 SEEDED_DRAW = "sglang.srt.layers.sampler.multinomial_with_seed"  # torch.compile'd: eager on a CPU
+# the top-k/top-p draw: for a seeded batch, noise on token ids, not on ranks (sglang_ext/seeds.py)
+FILTERED_DRAW = "sglang.srt.layers.sampler.top_k_top_p_min_p_sampling_from_probs_torch"
 # SGLang transfer backends and the Mooncake protocol each maps to (None: from --mooncake-protocol)
 BACKENDS = {"mooncake": None, "mooncake_tcp": "tcp"}
 
@@ -93,6 +95,7 @@ def register() -> None:
     HookRegistry.register(RESOLVED_DICT, _after_resolved_dict, HookType.AFTER)
     HookRegistry.register(SAMPLING_BATCH_INFO, _after_sampling_batch_info, HookType.AFTER)
     HookRegistry.register(SEEDED_DRAW, _around_seeded_draw, HookType.AROUND)
+    HookRegistry.register(FILTERED_DRAW, _around_filtered_draw, HookType.AROUND)
     from sglang_ext.no_encoder_tower import TOWERS  # the models left without their towers on the language side
 
     for model, tower in TOWERS.items():
@@ -186,6 +189,12 @@ def _around_seeded_draw(original, *args, **kwargs):
     from sglang_ext.seeds import eager_on_cpu
 
     return eager_on_cpu(original, *args, **kwargs)
+
+
+def _around_filtered_draw(original, *args, **kwargs):
+    from sglang_ext.seeds import vocabulary_draw
+
+    return vocabulary_draw(original, *args, **kwargs)
 
 
 def _around_torch_native_extend(original, *args, **kwargs):
