@@ -6,6 +6,9 @@
 * :class:`ScrubErrors`: an error answer never carries a server path or a stack frame (FastAPI's
   validation errors quote the endpoint's file and line; exceptions' texts may name files).
 * :class:`RetryAfter`: a 429 or 503 without ``Retry-After`` gets the connector's.
+* :class:`AsleepHealth`: while the worker sleeps, SGLang's ``/health`` and ``/health_generate``
+  answer 503 at once (SGLang's own handler would send a one-token generation that the paused
+  scheduler never runs, answer 503 after its 20 s timeout and mark the server unhealthy).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from connector.failures import FailureKind
+from worker_infra.http import asleep_error
 
 if TYPE_CHECKING:
     from language_side.worker import LanguageWorker
@@ -30,12 +34,13 @@ _FRAME = re.compile(r'(\\n|\n)?[ \t]*File \\?"[^"\\]+\\?", line \d+(, in [\w<>.]
 _SOURCE_PATH = re.compile(r"(?<![\w.])/(?:[\w.+-]+/)+[\w.+-]+\.py\b")
 
 
-async def _answer(send: Send, status: int, message: str) -> None:
+async def _answer(send: Send, status: int, message: str, extra: dict | None = None,
+                  headers: list[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps({"error": {"message": message, "code": status}, "object": "error", "message": message,
-                       "code": status}).encode()
+                       "code": status, **(extra or {})}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *headers]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -149,3 +154,24 @@ class RetryAfter:
             await send(message)
 
         await self.app(scope, receive, send_with_retry_after)
+
+
+# SGLang's health routes: each one generates a token, which a sleeping server does not
+HEALTH_ROUTES = ("/health", "/health_generate")
+
+
+class AsleepHealth:
+    """While ``connector`` sleeps, ``GET /health`` and ``/health_generate`` answer at once: 503,
+    ``{"sleeping": true}`` and the reason, with ``Retry-After``. Not ready to serve is what a
+    readiness probe or a gateway should read; ``/is_sleeping`` tells a sleeping server from a
+    broken one."""
+
+    def __init__(self, app, connector: LanguageWorker) -> None:
+        self.app, self.connector = app, connector
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in HEALTH_ROUTES and self.connector.is_sleeping():
+            asleep = asleep_error("language")
+            return await _answer(send, asleep.kind.http_status, str(asleep), {"sleeping": True},
+                                 [(b"retry-after", asleep.kind.retry_after.encode())])
+        await self.app(scope, receive, send)

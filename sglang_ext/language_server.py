@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request  # SGLang's server is FastAPI; this module runs only where it is installed
 
 from connector.failures import TransferFailure
-from sglang_ext.http_guards import BodyLimit, RetryAfter, ScrubErrors
+from sglang_ext.http_guards import AsleepHealth, BodyLimit, RetryAfter, ScrubErrors
 from sglang_ext.prompt_bounds import too_long
 from worker_infra.http import (
     BootstrapAllowList,
@@ -400,6 +400,7 @@ def _add_routes(manager, worker, dispatch) -> None:
             text = generate_latest(sglang_registry)
         return Response(text + worker.metrics.render() + dispatch.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(AsleepHealth, connector=worker)
     app.add_middleware(RetryAfter, connector=worker)
     app.add_middleware(ScrubErrors)
     app.add_middleware(BodyLimit, max_bytes=_here.ours.max_request_body_bytes)  # outermost: before anything reads

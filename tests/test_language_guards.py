@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 
 from connector.failures import FailureKind
 from connector.peer_health import FailingPeers
-from sglang_ext.http_guards import BodyLimit, ScrubErrors, scrub
+from sglang_ext.http_guards import AsleepHealth, BodyLimit, ScrubErrors, scrub
 from sglang_ext.language_flags import cpu_kv_tokens, sglang_argv
 from sglang_ext.prompt_bounds import MAX_BATCH_CHARS, too_long
 from sglang_ext.redact import redact_command_line, redact_fields
@@ -50,6 +50,46 @@ def post(path: str, content, headers: dict | None = None) -> httpx.Response:
             return await client.post(path, content=content, headers=headers or {})
 
     return asyncio.run(send())
+
+
+class Sleeper:
+    """What AsleepHealth reads of the language worker."""
+
+    def __init__(self) -> None:
+        self.asleep = False
+
+    def is_sleeping(self) -> bool:
+        return self.asleep
+
+
+def test_health_answers_at_once_while_asleep_and_reaches_sglangs_route_when_awake() -> None:
+    app, connector = FastAPI(), Sleeper()
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health():  # as SGLang's: waits for a generated token, which a paused scheduler never makes
+        await asyncio.sleep(0 if not connector.asleep else 30)
+        return JSONResponse({}, status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return JSONResponse({"is_sleeping": connector.asleep})
+
+    app.add_middleware(AsleepHealth, connector=connector)
+
+    async def get(path: str) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await asyncio.wait_for(client.get(path), 5)
+
+    assert asyncio.run(get("/health")).status_code == 200
+    connector.asleep = True
+    for path in ("/health", "/health_generate"):
+        answer = asyncio.run(get(path))
+        assert answer.status_code == 503 and answer.headers["retry-after"] == FailureKind.ASLEEP.retry_after
+        assert answer.json()["sleeping"] is True and "asleep" in answer.json()["message"]
+    assert asyncio.run(get("/is_sleeping")).json() == {"is_sleeping": True}  # other routes pass
+    connector.asleep = False
+    assert asyncio.run(get("/health_generate")).status_code == 200
 
 
 def test_a_body_at_the_bound_passes_and_one_byte_more_is_413_declared_or_streamed() -> None:

@@ -533,11 +533,22 @@ def test_guidellm_gets_every_token_of_streamed_image_chats(workers, tmp_path) ->
         (r["input_metrics"]["image_pixels"], r["prompt_tokens"]) for r in done]
 
 
+def assert_asleep_health(language) -> None:
+    """SGLang's ``/health`` and ``/health_generate`` of a sleeping server: 503 at once (its own
+    handler would wait 20 s for a token), saying so, with ``Retry-After``."""
+    for path in ("/health", "/health_generate"):
+        began = time.monotonic()
+        answer = requests.get(f"{language.url}{path}", timeout=10)
+        assert time.monotonic() - began < 2.0, (path, time.monotonic() - began)
+        assert answer.status_code == 503 and answer.headers["Retry-After"] == "5", (path, answer.text)
+        assert answer.json()["sleeping"] is True, answer.text
+
+
 def test_sleep_and_wake_keep_a_request_waiting_for_its_embedding(workers, images, reference) -> None:
     """``/sleep?preserve_state=true`` while a 4K image is at the encoder: SGLang pauses
     (retract), the connector keeps the room and releases its pool; after ``/wake_up`` the
     transfer goes on (with its resume round) and the answer equals monolithic. A request that
-    arrives meanwhile gets 503 with ``Retry-After``."""
+    arrives meanwhile gets 503 with ``Retry-After``, and so does ``/health``, at once."""
     _, language = workers
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(generate, language, [images["3840x2160"]], "sleep-transfer")
@@ -548,10 +559,12 @@ def test_sleep_and_wake_keep_a_request_waiting_for_its_embedding(workers, images
         refused = generate(language, [images["448x448"]], "while-asleep")  # a new one is refused meanwhile
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "5", (refused.headers, refused.text)
         assert "asleep" in refused.json()["error"]["message"], refused.text
+        assert_asleep_health(language)
         time.sleep(1.0)
         assert not pending.done()
         woke = requests.post(f"{language.url}/wake_up", timeout=120)
         assert woke.status_code == 200 and woke.json()["is_sleeping"] is False, woke.text
+        assert requests.get(f"{language.url}/health", timeout=30).status_code == 200
         answer = pending.result(timeout=240)
     assert answer.status_code == 200, answer.text
     assert greedy_mismatch(answer.json()["output_ids"], reference([images["3840x2160"]])) is None
@@ -750,6 +763,7 @@ def test_a_language_server_killed_asleep_restarts_from_disk_and_its_requests_go_
     SECOND.append(restarted)
     refused = generate(restarted, [images["448x448"]], "asleep-on-start")
     assert refused.status_code == 503 and refused.headers["Retry-After"] == "5", refused.text
+    assert_asleep_health(restarted)
     assert requests.post(f"{restarted.url}/wake_up", timeout=60).status_code == 401
     woke = requests.post(f"{restarted.url}/wake_up", timeout=120, headers=ADMIN)
     assert woke.status_code == 200, woke.text
