@@ -384,7 +384,8 @@ class EncoderDispatch:
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             raise _EncoderFault(f"encoder {enc.url}: {type(exc).__name__}: {exc}") from None
         if 400 <= resp.status < 500 and resp.status not in (408, 429):  # about the images
-            raise ImageRefused(resp.status, f"encoder {enc.url} refused the image ({resp.status}): {why}")
+            kind = {"images": "image", "videos": "video", "audios": "audio clip"}.get(next(iter(media), ""), "input")
+            raise ImageRefused(resp.status, f"encoder {enc.url} refused the {kind} ({resp.status}): {why}")
         raise _EncoderFault(f"encoder {enc.url} answered {resp.status}: {why}", busy=resp.status in (429, 503))
 
 

@@ -104,8 +104,13 @@ def shared_flags(d: ConnectorConfig | None = None) -> tuple[SharedFlag, ...]:
 
 
 def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -> None:
-    """Add our flags; ``with_shared=False`` leaves out the ones SGLang already defines."""
-    d = ConnectorConfig.from_env()
+    """Add our flags; ``with_shared=False`` leaves out the ones SGLang already defines. A setting
+    the environment gives wrong (a short ``SGLANG_EMBEDDING_CONTROL_SECRET``, a number that is not
+    one) ends the start with argparse's one-line error."""
+    try:
+        d = ConnectorConfig.from_env()
+    except ValueError as exc:
+        parser.error(f"from the environment: {exc}")
     if with_shared:
         for shared in shared_flags(d):
             parser.add_argument(shared.flag, **shared.kwargs)

@@ -183,3 +183,14 @@ def test_the_plugin_reads_the_same_values_as_our_launcher(monkeypatch) -> None:
     monkeypatch.delenv("SGLANG_EMBEDDING_MAX_QUEUED_REQUESTS")
     ours = plugin.worker_args(sglang_parsed(), [*MODE])
     assert connector_config(ours).max_queued_requests == 256
+
+
+@pytest.mark.parametrize(("name", "value"), [("SGLANG_EMBEDDING_CONTROL_SECRET", "abcdefghijklm"),
+                                             ("SGLANG_MULTIMODAL_BLOCK_SIZE", "many")])
+def test_a_wrong_setting_in_the_environment_is_a_one_line_error(monkeypatch, capsys, name, value) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as ended:
+        add_worker_args(argparse.ArgumentParser(prog="launch"))
+    assert ended.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("launch: error: from the environment: ") and "Traceback" not in error, error

@@ -169,3 +169,30 @@ def test_a_video_no_encoder_takes_is_a_400_before_any_is_asked() -> None:
     with pytest.raises(ImageRefused, match=r"none of this language server's encoders takes videos") as refused:
         asyncio.run(dispatch._part("rid", 0, ["v.mp4"], "video"))
     assert refused.value.status == 400
+
+
+@pytest.mark.parametrize(("media", "named"), [({"videos": ["v.mp4"]}, "the video"),
+                                               ({"audios": ["a.wav"]}, "the audio clip"),
+                                               ({"images": ["a.png"]}, "the image")])
+def test_an_encoders_refusal_names_what_it_refused(media, named) -> None:
+    """An encoder's 4xx about the input reaches the client as a refusal of that kind of input."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    async def refuse(_request: web.Request) -> web.Response:
+        return web.json_response({"error": "frames do not decode"}, status=400)
+
+    async def ask() -> None:
+        app = web.Application()
+        app.router.add_post("/encode", refuse)
+        async with TestServer(app, host="127.0.0.1") as server:
+            dispatch = EncoderDispatch([str(server.make_url("")).rstrip("/")], None, EmbeddingCache(0))
+            dispatch._open_session()
+            try:
+                await dispatch._post_encode(dispatch.encoders[0], "rid-0", 7, media)
+            finally:
+                await dispatch.close()
+
+    with pytest.raises(ImageRefused, match=f"refused {named} \\(400\\): .*frames do not decode") as refused:
+        asyncio.run(ask())
+    assert refused.value.status == 400
