@@ -8,7 +8,6 @@ else does."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -19,8 +18,6 @@ import pytest
 import torch
 from PIL import Image
 from transfer_large_image import make_image
-
-from sglang_ext.encoder_flags import standalone_server_args
 
 pytestmark = pytest.mark.sglang
 
@@ -60,29 +57,32 @@ def images(root: Path) -> list[str]:
     return paths
 
 
-def test_rows_are_upstreams_within_one_bf16_step(seeded_checkpoint, tmp_path) -> None:
+def encoded_rows(folder: str, paths: list[str], out: Path, plugins: bool) -> dict:
+    """Each image's rows through SGLang's encoder in a process of its own (SGLang's plugins load
+    once per process, and its parallel groups once too), with our plugin or with none."""
     from safetensors.torch import load_file
 
-    from embedding_side.sglang_encoder import SGLangEncoder
-
-    folder = seeded_checkpoint(3584)
-    paths = images(tmp_path)
-    upstream_file = tmp_path / "upstream.safetensors"
-    env = {**os.environ, "SGLANG_PLUGINS": "none", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", ENCODE, folder, str(upstream_file), *paths], cwd=ROOT, env=env,
+    env = {key: value for key, value in os.environ.items() if key != "SGLANG_PLUGINS"}
+    env |= {"PYTHONPATH": str(ROOT)} | ({} if plugins else {"SGLANG_PLUGINS": "none"})
+    done = subprocess.run([sys.executable, "-c", ENCODE, folder, str(out), *paths], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    upstream = load_file(upstream_file)
-    ours = SGLangEncoder(standalone_server_args(argparse.Namespace(model_path=folder, host="127.0.0.1", device="cpu")))
+    return load_file(out)
+
+
+def test_rows_are_upstreams_within_one_bf16_step(seeded_checkpoint, tmp_path) -> None:
+    folder = seeded_checkpoint(3584)
+    paths = images(tmp_path)
+    ours = encoded_rows(folder, paths, tmp_path / "ours.safetensors", plugins=True)
+    upstream = encoded_rows(folder, paths, tmp_path / "upstream.safetensors", plugins=False)
     differing = []
     for path in paths:
-        got = torch.from_numpy(ours.encode([Image.open(path).convert("RGB")]).embeddings.copy()).view(torch.bfloat16)
-        expected = upstream[path].view(torch.bfloat16)
+        got, expected = ours[path].view(torch.bfloat16), upstream[path].view(torch.bfloat16)
         assert got.shape == expected.shape, path
         got, expected = got.view(-1, 3584).float(), expected.view(-1, 3584).float()
         row_step = bf16_step(expected.abs().max(dim=1, keepdim=True).values)
         worst = float(((got - expected).abs() / row_step).max())
         assert worst <= 1.0, f"{path}: an element {worst:.1f} bf16 steps (of its row's largest value) from upstream's"
         differing.append(float((got != expected).float().mean()))
-    # the hooks are on here (a test of nothing otherwise): some elements do round the other way
+    # the hooks are on in ours (a test of nothing otherwise): some elements do round the other way
     assert 0.0 < min(differing) and max(differing) < 0.5, differing
