@@ -9,7 +9,8 @@ MiniMax's gate and up projections interleaved (GPT-OSS's layout), and its sparse
 attention has no CPU kernel. transformers' ``MiniMaxM3SparseForConditionalGeneration`` makes
 the weights; they are saved under the hub's names (what transformers' conversion mapping for
 ``minimax_m3_vl`` reads and SGLang's ``load_weights`` expects), and config.json carries both
-libraries' spellings of the vision settings.
+libraries' spellings of the vision settings. The language model is re-drawn so that its greedy
+ids are decided far above bf16 rounding (``make_checkpoint.decisive_language_model``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from make_checkpoint import TEXT_INIT, VOCAB_SIZE, write_tokenizer
+from make_checkpoint import TEXT_INIT, VOCAB_SIZE, decisive_language_model, write_tokenizer
 
 # MiniMax-M3's chat and vision tokens: ]~!b[ begins a conversation, ]~b]role ... [e~[ is a turn
 SPECIAL_TOKENS = ("]~!b[", "]~b]", "[e~[", "]!p~[", "]<]image[>[", "]<]video[>[", "]<]start of image[>[",
@@ -113,6 +114,9 @@ def hub_names(state: dict) -> dict:
     return out
 
 
+PROJECTOR_OUT_GAIN = 0.01
+
+
 def write_minimax_m3_vl_checkpoint(folder: str | Path, seed: int = 0) -> Path:
     """The folder: config.json, model.safetensors (bf16, hub names), tokenizer and chat template,
     image and video preprocessor configs (the hub's spelling: ``size`` [672, 672])."""
@@ -130,6 +134,11 @@ def write_minimax_m3_vl_checkpoint(folder: str | Path, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") and "vision" not in name:
                 param.normal_(0.0, 0.1)
+        # the projector drawn at the configs' init makes image rows of rms ~230 against the text's 1:
+        # attention then sees the same few extreme rows whatever the picture; at rms ~2 it reads them
+        model.model.multi_modal_projector.merge_linear_2.weight.mul_(PROJECTOR_OUT_GAIN)
+        model.model.multi_modal_projector.merge_linear_2.bias.mul_(PROJECTOR_OUT_GAIN)
+    decisive_language_model(model, "minimax_m3_vl", seed, LAYERS, norm_offset=1.0)
     state = {k: v for k, v in model.to(torch.bfloat16).state_dict().items() if "rotary_emb" not in k}
     save_file(hub_names(state), str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=1))

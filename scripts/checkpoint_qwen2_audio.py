@@ -7,7 +7,8 @@ positions), language model Qwen2 with hidden 256 and 2 layers. Two things differ
 (``language_model.model.*``; transformers writes ``language_model.model.model.*``, which
 SGLang's loader does not take, and reads both), and ``audio_config.output_dim`` is the language
 model's width (what the projector emits; SGLang's encoder sizes audio rows from it, else from
-``d_model``).
+``d_model``). The language model is re-drawn so that its greedy ids are decided far above bf16
+rounding (``make_checkpoint.decisive_language_model``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from make_checkpoint import TEXT_INIT, VOCAB_SIZE, write_tokenizer
+from make_checkpoint import TEXT_INIT, VOCAB_SIZE, decisive_language_model, write_tokenizer
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>")
 # each audio part as Qwen2-Audio's chat template lays it out: "Audio N: <|audio_bos|><|AUDIO|><|audio_eos|>"
@@ -56,7 +57,9 @@ def write_qwen2_audio_checkpoint(folder: str | Path, seed: int = 0) -> Path:
     config = Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_index=ids["<|AUDIO|>"])
     config.architectures = ["Qwen2AudioForConditionalGeneration"]
     torch.manual_seed(seed)
-    Qwen2AudioForConditionalGeneration(config).to(torch.bfloat16).eval().save_pretrained(folder)
+    model = Qwen2AudioForConditionalGeneration(config).eval()
+    decisive_language_model(model, "qwen2_audio", seed, 2)
+    model.to(torch.bfloat16).save_pretrained(folder)
     weights = folder / "model.safetensors"
     tensors = {name.replace("language_model.model.model.", "language_model.model."): tensor
                for name, tensor in load_file(weights).items()}

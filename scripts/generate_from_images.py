@@ -15,9 +15,9 @@ rounds), prefill (SGLang's scheduler, first forward pass to first token) and oth
 inputs, its queue), and the generated tokens and text (after one small warm-up request: SGLang's
 encoder's first forward pass is several times slower than the next ones). Then checks
 one request against transformers' monolithic ``Qwen2_5_VLForConditionalGeneration.generate`` on
-the same folder, image and prompt (``monolithic.greedy_mismatch``: the ids equal, or equal up to a
-step where the reference itself had a near tie of bf16 logits; SGLang's tower and language model
-round some values differently from transformers'). Exits non-zero on any error or mismatch.
+the same folder, image and prompt (``monolithic.greedy_mismatch``: the ids equal at every step;
+the seeded checkpoint's steps lead by far more than SGLang's and transformers' bf16 roundings
+differ). Exits non-zero on any error or mismatch.
 
 With ``--hosts`` the two workers run on two simulated hosts (``hosts.py``: network namespaces on a
 bridge; needs root, iproute2, iptables), each bound to ``0.0.0.0`` and advertising its own
@@ -191,13 +191,7 @@ def main() -> int:
             expected, mismatch = monolithic_check(folder, checked["prompt"], dict(requests_set)[args.check],
                                                   checked["output_ids"])
             ok = ok and mismatch is None
-            if mismatch is not None:
-                verdict = f"TOKENS DIFFER: {mismatch}"
-            elif expected == checked["output_ids"]:
-                verdict = "tokens equal"
-            else:
-                step = next(i for i, (a, b) in enumerate(zip(checked["output_ids"], expected, strict=True)) if a != b)
-                verdict = f"tokens equal up to a near tie at step {step}"
+            verdict = "tokens equal" if mismatch is None else f"TOKENS DIFFER: {mismatch}"
             print(f"monolithic check ({args.check}): {verdict} ({len(checked['output_ids'])} disaggregated, "
                   f"{len(expected)} monolithic)")
         elif args.check not in results:

@@ -277,9 +277,11 @@ class ReferenceCache:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if entry.exists():
                 with np.load(entry, allow_pickle=False) as saved:
-                    return Greedy(saved["ids"].tolist(), torch.from_numpy(saved["logprobs"]))
+                    return Greedy(saved["ids"].tolist(), torch.from_numpy(saved["logprobs"]),
+                                  torch.from_numpy(saved["chosen_logits"]))
             answer = compute()
             partial = entry.with_suffix(".partial.npz")
-            np.savez(partial, ids=np.asarray(answer.ids, dtype=np.int64), logprobs=answer.logprobs.float().numpy())
+            np.savez(partial, ids=np.asarray(answer.ids, dtype=np.int64), logprobs=answer.logprobs.float().numpy(),
+                     chosen_logits=answer.chosen_logits.float().numpy())
             partial.rename(entry)
             return answer

@@ -6,8 +6,7 @@ SGLang's encoder reads a clip with soundfile (torchaudio's wheel is a CUDA build
 shim's stand-in resamples), pads it to the 30 s window, and runs the audio tower with the
 padding mask upstream leaves out (``sglang_ext/qwen2_audio_mask.py``). Greedy ids are checked
 against transformers' own ``Qwen2AudioForConditionalGeneration.generate`` on the samples as
-SGLang loads them (equal, or equal up to a near tie of the reference's:
-``monolithic.greedy_mismatch``): clips of 1 s, 7.3 s and 30 s at 16 kHz, 2.5 s at 44.1 kHz,
+SGLang loads them (equal at every step: ``monolithic.greedy_mismatch``): clips of 1 s, 7.3 s and 30 s at 16 kHz, 2.5 s at 44.1 kHz,
 two in one prompt, an OpenAI chat; a clip past the window is refused from its header.
 """
 

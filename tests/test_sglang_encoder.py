@@ -6,8 +6,8 @@ server, on a family our former tower never knew: Qwen3-VL (16 px patches, deepst
 One encoder and one language server for the module. The language side allocates 2048 tokens
 first, so the 3840x2160 image (8,160 tokens) is sent in several resume rounds. Every generated id
 is checked against transformers' monolithic ``generate`` from the pixels (its own processor and
-model) on the same checkpoint, whose greedy ids depend on the picture (checked too): equal, or
-equal up to a near tie of the reference's (``monolithic.greedy_mismatch``). Videos (MP4) too: the
+model) on the same checkpoint, whose greedy ids depend on the picture (checked too): equal at
+every step (``monolithic.greedy_mismatch``). Videos (MP4) too: the
 reference gets the frames SGLang's encoder samples, decoded by the same library.
 """
 

@@ -6,8 +6,8 @@ sides to multiples of 28, the short side to at least 112) and the processor then
 size; the encode worker knows the token count from the header by that rule
 (``sglang_encoder._resize_rule``). The reference is transformers' own
 ``MiniMaxM3SparseForConditionalGeneration.generate`` with its own processor (no resize of its
-own) on the image as SGLang's rule resizes it (its own function); greedy ids equal, or equal up
-to a near tie of the reference's (``monolithic.greedy_mismatch``). The language side allocates
+own) on the image as SGLang's rule resizes it (its own function); greedy ids equal at every step
+(``monolithic.greedy_mismatch``). The language side allocates
 1024 tokens first, so 1920x1080 (2,691 tokens) and 3840x2160 (2,880) come in resume rounds.
 """
 
