@@ -328,6 +328,14 @@ class EncoderDispatch:
             # dead, init refused, room aborted) does not wait for that encoder's /encode to time
             # out; the request is dropped (the encoder ends a room whose caller went away).
             await asyncio.wait((receiving, encoding), return_when=asyncio.FIRST_COMPLETED)
+            # This worker's own failure of the room (its pool full, asleep) decides even when the
+            # encoder's answer is in too: that answer then echoes it (502 "aborted by language peer").
+            # The room fails here before the encoder is told; one turn of the loop lets that land.
+            if encoding.done() and not receiving.done():
+                await asyncio.sleep(0)
+            own = receiving.exception() if receiving.done() else None
+            if isinstance(own, TransferFailure) and own.kind in OUR_SIDE and not own.by_peer:
+                raise own
             failure = None if encoding.done() else receiving.exception()
             if isinstance(failure, TransferFailure) and failure.kind in ABOUT_THE_IMAGES:
                 # the encoder refused the images and failed the room for it: its own answer, with

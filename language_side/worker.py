@@ -513,9 +513,8 @@ class LanguageWorker:
         with self._lock:
             if req.phase in (Q.DONE, Q.FAILED):
                 return
-            if tell_encoder and (req.receiver is None or req.phase == Q.SAVED):  # no receiver to abort
-                self.receivers.abandon(req.bootstrap_addr, req.room, req.route or (
-                    req.saved.transfer.route if req.saved and req.saved.transfer else None))
+            abandon = tell_encoder and (req.receiver is None or req.phase == Q.SAVED)  # no receiver to abort
+            route = req.route or (req.saved.transfer.route if req.saved and req.saved.transfer else None)
             req.move(Q.FAILED)
             if req in self._transfer:
                 self._transfer.remove(req)
@@ -524,4 +523,8 @@ class LanguageWorker:
             self._requests.pop(req.rid, None)
         self.metrics.failure(kind)
         log.warning("rid=%s room=%d failed: %s", req.rid, req.room, reason)
+        # failed here before the encoder hears of it: its answer to the caller ("aborted by language
+        # peer") must not arrive before this worker's own reason
         req.future.set_exception(TransferFailure(kind, f"request {req.rid}: {kind.value}: {reason}"))
+        if abandon:
+            self.receivers.abandon(req.bootstrap_addr, req.room, route)

@@ -369,6 +369,45 @@ def test_a_part_every_encoder_refused_as_busy_is_a_503_not_a_502(monkeypatch, bu
 
 
 @pytest.mark.fast
+def test_a_room_this_worker_failed_is_its_own_answer_though_the_encoders_echo_came_with_it(monkeypatch) -> None:
+    """This worker's pool full ("no free blocks ... within 60s", 503): it tells the encoder, whose
+    /encode then answers 502 "aborted by language peer". When both are in by the time the part
+    looks, the worker's own reason decides (503, come back), not the echo (502, blaming the
+    encoder), and no other encoder is tried."""
+    from concurrent.futures import Future
+
+    full = TransferFailure(FailureKind.OVERLOADED, "no free blocks for the default allocation within 60s")
+
+    class PoolFull:
+        def submit(self, rid: str, bootstrap_addr: str, room: int) -> Future:
+            self.room = Future()
+            return self.room
+
+        def cancel(self, rid: str, reason: str) -> None:
+            pass
+
+    dispatch = EncoderDispatch(["http://127.0.0.1:9000", "http://127.0.0.1:9001"], PoolFull(), EmbeddingCache(0))
+    asked: list[str] = []
+
+    async def echo(enc, part_rid, room, media):
+        asked.append(enc.url)
+        dispatch.worker.room.set_exception(full)  # failed here first ...
+        raise _EncoderFault(f"encoder {enc.url} answered 502: room {room} aborted by language peer")  # ... then told
+
+    async def healthy(enc) -> bool:
+        enc.bootstrap_port = 8998
+        return True
+
+    monkeypatch.setattr(dispatch, "_post_encode", echo)
+    monkeypatch.setattr(dispatch, "_probe", healthy)
+    monkeypatch.setattr(dispatch, "_session", "unused: /encode is answered above")
+    with pytest.raises(TransferFailure) as failure:
+        asyncio.run(dispatch._part("rid", 0, ["image.png"]))
+    assert failure.value.kind == FailureKind.OVERLOADED and "no free blocks" in str(failure.value), failure.value
+    assert len(asked) == 1
+
+
+@pytest.mark.fast
 def test_an_encoders_busy_refusal_through_the_room_goes_to_another_encoder_ours_does_not() -> None:
     """An encoder asleep or over its queue may tell the language side by failing the room before
     its /encode answers 503: that part goes to another encoder (busy). This worker's own refusal
