@@ -1,8 +1,11 @@
 """Rooms failed in a row, per peer: what ``/health`` reports when a peer's process answers its
 heartbeats but its rooms keep failing (inits refused, rooms aborted, writes that do not land).
 
-A worker counts only failures that say something about the peer (``ABOUT_THE_PEER``); a room
-that ends well clears its peer's count. A peer with ``threshold`` failures in a row is listed,
+A worker counts only failures that say something about the peer (``ABOUT_THE_PEER``), and only
+of rooms the peer took part in (an encoder that spoke of the room; on the encode side, a room
+its own encode request had): a room a client made up, which no encoder ever began, times out
+without blaming anyone, unless the peer was found dead. A room that ends well clears its peer's
+count. A peer with ``threshold`` failures in a row is listed,
 and the worker's status reads ``degraded`` while any is, until ``window`` seconds pass without
 another failure of that peer: a peer taken out of rotation (or gone) gets no room that could
 clear its count, and the worker, serving well through its other peers, would read ``degraded``
@@ -23,6 +26,8 @@ from connector.failures import FailureKind
 ABOUT_THE_PEER = frozenset({FailureKind.ABORTED, FailureKind.PEER_DEAD, FailureKind.PEER_UNREACHABLE,
                             FailureKind.PEER_FAILED, FailureKind.MISMATCH, FailureKind.PROTOCOL,
                             FailureKind.TRANSFER, FailureKind.TIMEOUT})
+# ... of which these count even for a room the peer never took part in: it was found gone
+PEER_GONE = frozenset({FailureKind.PEER_DEAD, FailureKind.PEER_UNREACHABLE})
 FAILING_AFTER = 3  # rooms failed in a row before a peer is reported
 FAILING_WINDOW_S = 30.0  # ... until this long after its last failure
 MAX_PEERS = 1024  # peers tracked at once; the one that failed least recently is forgotten first
@@ -45,8 +50,8 @@ class FailingPeers:
         self._lock = threading.Lock()
         self._streaks: collections.OrderedDict[str, _Streak] = collections.OrderedDict()
 
-    def failed(self, peer: str, kind: FailureKind | None, reason: str) -> None:
-        if kind not in ABOUT_THE_PEER:
+    def failed(self, peer: str, kind: FailureKind | None, reason: str, joined: bool) -> None:
+        if kind not in ABOUT_THE_PEER or not (joined or kind in PEER_GONE):
             return
         with self._lock:
             streak = self._streaks.pop(peer, None) or _Streak(since=time.time())

@@ -375,7 +375,7 @@ class EmbeddingReceiver:
             elif isinstance(eff, Notify):
                 self._notify()
             elif isinstance(eff, NoteFailure):
-                m.failing.failed(self.bootstrap_addr, eff.kind, eff.reason)
+                m.failing.failed(self.bootstrap_addr, eff.kind, eff.reason, eff.joined)
             elif isinstance(eff, NoteSuccess):
                 m.failing.succeeded(self.bootstrap_addr)
             elif isinstance(eff, Count):

@@ -270,6 +270,7 @@ class NoteFailure:
 
     kind: FailureKind
     reason: str
+    joined: bool  # the encoder spoke of the room (a status, a total): it took part in it
 
 
 @dataclass(frozen=True)
@@ -324,6 +325,7 @@ class ReceiverRoom:
     aborted_at: float = 0.0
     unacked: bool = False  # aborting past its ack wait: its blocks are kept out of use, not waited for
     failure_noted: bool = False
+    heard: bool = False  # a status of the encoder's for this room came
 
     # ---- queries (change nothing) ------------------------------------------------------------
 
@@ -502,6 +504,7 @@ class ReceiverRoom:
     # ---- the encoder and the peer watch ------------------------------------------------------
 
     def _on_status_in(self, ev: StatusIn, out: list[Effect]) -> None:
+        self.heard = True
         if ev.status == KVPoll.Failed:  # the encoder stopped writing: the blocks are safe to free
             if self.state.status != KVPoll.Failed:
                 kind, text = parse_wire_reason(ev.reason)
@@ -674,7 +677,7 @@ class ReceiverRoom:
         if self.state.status == KVPoll.Failed and not self.failure_noted:
             self.failure_noted = True
             assert self.state.kind is not None
-            out.append(NoteFailure(self.state.kind, self.state.reason))
+            out.append(NoteFailure(self.state.kind, self.state.reason, self.heard))
 
     def _take_rounds(self) -> tuple[Round, ...]:
         rounds, self.rounds = tuple(self.rounds), []

@@ -382,8 +382,8 @@ class EmbeddingSenderManager:
             case ev.RoomFailed(kind, reason):
                 self.stats[f"failed:{kind.value}"] += 1
                 log.warning("room %d failed: %s", r.room, reason)
-            case ev.PeerFailed(peer, kind, reason):
-                self.failing.failed(peer, kind, reason)
+            case ev.PeerFailed(peer, kind, reason, joined):
+                self.failing.failed(peer, kind, reason, joined)
             case ev.PeerSucceeded(peer):
                 self.failing.succeeded(peer)
             case ev.Confirm(peers):

@@ -284,6 +284,7 @@ class PeerFailed:
     peer: str  # "endpoint:port" of a destination
     kind: FailureKind
     reason: str
+    joined: bool  # the room had its encode request: not a room only the destination knew of
 
 
 @dataclass(frozen=True)
@@ -543,7 +544,7 @@ class SenderRoom:
         if not self.live or not self.state.fail(kind, reason):
             return
         out.append(RoomFailed(kind, reason))
-        out += [PeerFailed(f"{d.endpoint}:{d.port}", kind, reason) for d in self.dsts]
+        out += [PeerFailed(f"{d.endpoint}:{d.port}", kind, reason, self.claimed) for d in self.dsts]
         if notify:
             status = StatusMsg(self.room, KVPoll.Failed, self.state.progress.sent_tokens, wire_reason(kind, reason))
             for d in self.dsts:

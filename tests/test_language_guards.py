@@ -165,17 +165,29 @@ def test_our_language_mode_gives_sglang_its_bounds_and_cpu_defaults(tmp_path) ->
     assert own.count("--limit-mm-data-per-request") == 1 and "--max-total-tokens" not in own
 
 
+def test_rooms_a_peer_took_no_part_in_do_not_list_it_unless_it_is_gone() -> None:
+    """Rooms made up by a client time out without the peer having joined them: however many,
+    they do not list a healthy peer as failing. A peer found dead is listed all the same."""
+    peers = FailingPeers(threshold=3)
+    for _ in range(8):
+        peers.failed("encoder-a", FailureKind.TIMEOUT, "no data within 300s", joined=False)
+    assert peers.report() == []
+    for _ in range(3):
+        peers.failed("encoder-a", FailureKind.PEER_DEAD, "no heartbeat", joined=False)
+    assert peers.report()[0]["rooms_failed_in_a_row"] == 3
+
+
 def test_a_peers_failures_stop_degrading_health_once_they_stop() -> None:
     now = [0.0]
     peers = FailingPeers(threshold=3, window=30.0, clock=lambda: now[0])
     for _ in range(3):
-        peers.failed("encoder-a", FailureKind.PEER_DEAD, "gone")
+        peers.failed("encoder-a", FailureKind.PEER_DEAD, "gone", joined=True)
     assert [p["peer"] for p in peers.report()] == ["encoder-a"]
     now[0] = 29.0
     assert peers.report()
     now[0] = 31.0  # no failure of it for the window: its other peers serve, the worker is not degraded
     assert peers.report() == []
-    peers.failed("encoder-a", FailureKind.PEER_DEAD, "gone again")  # still counted: one more failure lists it
+    peers.failed("encoder-a", FailureKind.PEER_DEAD, "gone again", joined=True)  # still counted: one more failure lists it
     assert peers.report()[0]["rooms_failed_in_a_row"] == 4
     peers.succeeded("encoder-a")
     assert peers.report() == []

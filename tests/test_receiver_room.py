@@ -331,6 +331,21 @@ def test_timeouts_come_with_ticks() -> None:
     assert other.phase == P.ABORTING and "no data" in other.state.reason
 
 
+def test_a_room_the_encoder_never_spoke_of_is_not_counted_as_its_failure() -> None:
+    """A room made up by a client (the encoder has no encode request for it) waits, hears
+    nothing and times out: its failure is noted as one the encoder took no part in. A room the
+    encoder announced a total for, then went silent, is the encoder's."""
+    silent = new_room()
+    silent.on(Init((0, 1)))
+    (noted,) = [e for e in silent.on(tick(WAITING + 0.1)) if isinstance(e, NoteFailure)]
+    assert noted.kind == FailureKind.TIMEOUT and not noted.joined
+    started = new_room()
+    started.on(Init((0, 1)))
+    started.on(status(KVPoll.WaitingForInput, total=20, now=1.0))
+    (noted,) = [e for e in started.on(tick(WAITING + 2.0)) if isinstance(e, NoteFailure)]
+    assert noted.kind == FailureKind.TIMEOUT and noted.joined
+
+
 def test_a_dead_peer_aborts_while_it_may_write_and_a_gone_one_frees_at_once() -> None:
     frozen = new_room()
     frozen.on(Init((0, 1)))

@@ -263,6 +263,18 @@ def test_waits_time_out_with_their_reason() -> None:
     assert "language peer slept longer than 100s" in str(s.answers[0].failure)
 
 
+def test_a_room_without_its_encode_request_blames_no_language_peer() -> None:
+    """A room a client made up reaches the encoder only as the language server's init: when it
+    times out there, the language server (which did its part) is not counted as failing."""
+    for claimed in (False, True):
+        d = Driver()
+        d.r.claimed = claimed
+        d.send(ev.Init(dst("s1", 128), 1))
+        d.now = TIMEOUTS.bootstrap + 1
+        (failed,) = of(d.send(ev.Tick()), ev.PeerFailed)
+        assert failed.kind == FailureKind.TIMEOUT and failed.joined is claimed
+
+
 def test_an_init_for_an_ended_room_is_answered_with_its_reason() -> None:
     d = Driver()
     d.send(ev.Fail(FailureKind.BAD_REQUEST, "image too small"))
