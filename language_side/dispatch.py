@@ -48,6 +48,7 @@ from worker_infra.http import encoder_host, wait_for_future
 log = logging.getLogger(__name__)
 
 PROBE_INTERVAL = 1.0  # seconds between /health probes of an encoder taken out of rotation
+WATCH_INTERVAL = 2.0  # seconds between the background /health probes of every encoder
 ENCODER_MAX_IMAGES = 16  # images per /encode an encoder takes until its /health says otherwise
 FIRST_ESTIMATE = 1024  # image tokens assumed for an image before any encoder has answered
 ABOUT_THE_IMAGES = frozenset({FailureKind.BAD_REQUEST, FailureKind.TOO_LARGE})
@@ -105,6 +106,7 @@ class EncoderDispatch:
         self.cache = cache
         self.fingerprints: dict[str, str] = {}  # each probed encoder's preprocessing fingerprint, by URL
         self._session: aiohttp.ClientSession | None = None
+        self._watching: asyncio.Task | None = None
         self.registry = r = CollectorRegistry()
         self.parts = Counter("epd_encoder_parts", "Image parts sent to an encoder, by outcome", ["encoder", "outcome"],
                              registry=r)
@@ -122,8 +124,29 @@ class EncoderDispatch:
             Gauge(name, doc, registry=r).set_function(read)
 
     async def close(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
         if self._session is not None:
             await self._session.close()
+
+    def watch(self) -> None:
+        """From the first call on (in the server's event loop), probe every encoder's /health
+        every :data:`WATCH_INTERVAL` in the background: the rotation and ``epd_encoders_healthy``
+        follow the probes with or without traffic (an encoder killed while idle is out within
+        one interval and a probe's timeout, not at the next part that fails there)."""
+        if self._watching is None and self.encoders:
+            self._open_session()
+            self._watching = asyncio.get_running_loop().create_task(self._watch_forever())
+
+    async def _watch_forever(self) -> None:
+        while True:
+            answers = await asyncio.gather(*(self._probe(enc) for enc in self.encoders))
+            now = time.monotonic()
+            for enc, healthy in zip(self.encoders, answers, strict=True):
+                if healthy != enc.healthy:
+                    log.warning("encoder %s %s its /health", enc.url, "answers" if healthy else "does not answer")
+                enc.healthy, enc.next_probe = healthy, now + PROBE_INTERVAL
+            await asyncio.sleep(WATCH_INTERVAL)
 
     def render_metrics(self) -> bytes:
         return generate_latest(self.registry)
@@ -145,7 +168,7 @@ class EncoderDispatch:
         """Videos' or audio clips' embeddings (``modality``), encoded and received, not cached;
         failures as :meth:`embed`'s."""
         self._check_encoders()
-        self._open_session()
+        self.watch()
         return await self._dispatch(rid, refs, modality)
 
     def _check_encoders(self) -> None:
@@ -162,7 +185,7 @@ class EncoderDispatch:
         """``images``' embeddings, from the cache or encoded and received; TransferFailure (its
         kind says the status) or :class:`ImageRefused` when they cannot be had."""
         self._check_encoders()
-        self._open_session()
+        self.watch()
         digests = await asyncio.to_thread(lambda: [image_digest(s) for s in images]) if self.cache.budget else []
         fingerprint = await self._fingerprint() if any(digests) else None
         found = {}

@@ -32,6 +32,12 @@ Send = Callable[[Message], Awaitable[None]]
 # a Python stack frame's line ('File "/x/y.py", line 3, in f'), raw or inside a JSON string
 _FRAME = re.compile(r'(\\n|\n)?[ \t]*File \\?"[^"\\]+\\?", line \d+(, in [\w<>.]+)?')
 _SOURCE_PATH = re.compile(r"(?<![\w.])/(?:[\w.+-]+/)+[\w.+-]+\.py\b")
+# The workers' addresses in a reason (an encoder's URL, a peer's ZMQ or bootstrap endpoint):
+# the client gets the reason, the logs keep the addresses
+_ADDRESS = re.compile(r"\b(?:https?|tcp)://[^\s\"'\\/),]+"
+                      r"|(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?(?![\w.])"
+                      r"|\[[0-9A-Fa-f:.]+\](?::\d{1,5})?"
+                      r"|(?<![\w.-])(?:localhost|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+):\d{1,5}\b")
 
 
 async def _answer(send: Send, status: int, message: str, extra: dict | None = None,
@@ -90,7 +96,8 @@ class BodyLimit:
 
 
 class ScrubErrors:
-    """Error answers (4xx, 5xx) with JSON or text bodies lose stack frames and source paths."""
+    """Error answers (4xx, 5xx) with JSON or text bodies lose stack frames, source paths and the
+    workers' addresses."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -128,9 +135,9 @@ def _declares_length(start: Message) -> bool:
 
 
 def scrub(body: bytes) -> bytes:
-    """``body`` without stack frames and paths of Python source files."""
+    """``body`` without stack frames, paths of Python source files and network addresses."""
     text = body.decode("utf-8", errors="replace")
-    cleaned = _SOURCE_PATH.sub("<server file>", _FRAME.sub("", text))
+    cleaned = _ADDRESS.sub("<address>", _SOURCE_PATH.sub("<server file>", _FRAME.sub("", text)))
     return cleaned.encode() if cleaned != text else body
 
 

@@ -385,6 +385,7 @@ def _add_routes(manager, worker, dispatch) -> None:
         return ORJSONResponse({"changed": True, "is_sleeping": worker.is_sleeping()})
 
     async def health():
+        dispatch.watch()
         return ORJSONResponse(worker.health())
 
     async def is_sleeping():
@@ -393,6 +394,7 @@ def _add_routes(manager, worker, dispatch) -> None:
     async def metrics():
         """SGLang's own metrics (with ``--enable-metrics``) and the connector's ``epd_*`` ones;
         registered before SGLang mounts its ``/metrics``, so this route answers it."""
+        dispatch.watch()  # the encoders' gauge follows their /health from the first scrape on
         text = b""
         if get_observability().enable_metrics:
             sglang_registry = CollectorRegistry()

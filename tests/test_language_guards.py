@@ -124,6 +124,20 @@ def test_scrub_leaves_clean_bodies_alone_and_handles_json_escapes() -> None:
     assert "http_server.py" not in cleaned and cleaned.startswith("bad body") and "POST /generate" in cleaned
 
 
+def test_error_answers_name_no_workers_address() -> None:
+    """The reason reaches the client; the encoders' URLs and the peers' endpoints stay in the logs."""
+    reason = json.dumps({"message": "request r: no encoder could encode part 0 (tried 2 of 3 encoders): encoder "
+                                    "http://10.1.2.3:30001 answered 502: room 7 (rank 127.0.0.1:36525) aborted by "
+                                    "language peer 127.0.0.1:33275; tcp://[fd00::5]:7001 and enc-2.cluster.local:8998 "
+                                    "gone; a 640x480 image of 3.5 MB at 1.5x"}).encode()
+    message = json.loads(scrub(reason))["message"]
+    for address in ("10.1.2.3", "127.0.0.1", "fd00::5", "enc-2.cluster.local", "30001", "33275"):
+        assert address not in message, message
+    assert message == ("request r: no encoder could encode part 0 (tried 2 of 3 encoders): encoder <address> "
+                       "answered 502: room 7 (rank <address>) aborted by language peer <address>; <address> and "
+                       "<address> gone; a 640x480 image of 3.5 MB at 1.5x"), message
+
+
 def test_prompts_too_long_for_any_context_are_refused_before_tokenizing() -> None:
     from types import SimpleNamespace as Req
 

@@ -369,6 +369,66 @@ def test_a_part_every_encoder_refused_as_busy_is_a_503_not_a_502(monkeypatch, bu
 
 
 @pytest.mark.fast
+def test_the_healthy_encoders_gauge_follows_their_health_without_traffic(monkeypatch) -> None:
+    """Three encoders answering /health (real HTTP servers); one stops, no request comes: from
+    the first scrape on, the background probes take it out of rotation and the gauge reads 2
+    within an interval and a bit, and 3 again once it answers."""
+    import language_side.dispatch as dispatch_module
+
+    monkeypatch.setattr(dispatch_module, "WATCH_INTERVAL", 0.2)
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = json.dumps({"bootstrap_port": 8998, "preprocessing": "p", "modalities": ["image"]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health) for _ in range(3)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    dispatch = EncoderDispatch([f"http://127.0.0.1:{s.server_address[1]}" for s in servers], None, EmbeddingCache(0))
+
+    def gauge() -> float:
+        line = [x for x in dispatch.render_metrics().decode().splitlines() if x.startswith("epd_encoders_healthy ")]
+        return float(line[0].split()[1])
+
+    async def scrape_until(want: float) -> float:
+        dispatch.watch()
+        deadline = time.monotonic() + 5
+        while gauge() != want and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return gauge()
+
+    async def run() -> tuple[float, float, float]:
+        try:
+            first = await scrape_until(3)
+            port = servers[1].server_address[1]
+            servers[1].shutdown()
+            servers[1].server_close()
+            stopped_at = time.monotonic()
+            after_stop = await scrape_until(2)
+            assert time.monotonic() - stopped_at < 2.5
+            servers[1] = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
+            threading.Thread(target=servers[1].serve_forever, daemon=True).start()
+            return first, after_stop, await scrape_until(3)
+        finally:
+            await dispatch.close()
+
+    try:
+        assert asyncio.run(run()) == (3, 2, 3)
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.mark.fast
 def test_a_room_this_worker_failed_is_its_own_answer_though_the_encoders_echo_came_with_it(monkeypatch) -> None:
     """This worker's pool full ("no free blocks ... within 60s", 503): it tells the encoder, whose
     /encode then answers 502 "aborted by language peer". When both are in by the time the part
