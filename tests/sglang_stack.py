@@ -115,11 +115,11 @@ def image_reference(folder: str, model=None):
 LANGUAGE_FLAGS = ("--max-total-tokens", "32768", "--skip-server-warmup")
 
 
-def qwen_encoder(folder: str, *flags: str, **kwargs) -> WorkerProcess:
-    """Our encode worker with transformers' Qwen2.5-VL tower (``--encoder qwen``: it starts in
-    seconds, faster than SGLang's own encoder, the launcher's default), through SGLang's launcher;
-    ``kwargs`` as :class:`WorkerProcess` takes them (a restart's ``port`` and ``bootstrap_port``)."""
-    return WorkerProcess("encode", "--model-path", folder, "--encoder", "qwen", *flags, command=SGLANG_LAUNCH, **kwargs)
+def encode_worker(folder: str, *flags: str, **kwargs) -> WorkerProcess:
+    """Our encode worker running SGLang's encoder on ``folder``, through SGLang's launcher, as
+    users start it; ``kwargs`` as :class:`WorkerProcess` takes them (a restart's ``port`` and
+    ``bootstrap_port``)."""
+    return WorkerProcess("encode", "--model-path", folder, *flags, command=SGLANG_LAUNCH, **kwargs)
 
 
 def language_server(folder: str, encoders: list[str], *flags: str) -> WorkerProcess:

@@ -1,9 +1,9 @@
-"""No silent hang (issue 26): every client request gets its answer, a success or a clear error,
+"""No silent hang: every client request gets its answer, a success or a clear error,
 within a bound that follows from the configured heartbeat and attempts
 (``docs/failure_bounds.md``), while an encoder is frozen, control messages are forged, the
 language worker is frozen, and an encoder is killed, each under 16 concurrent clients of the
-one-request flow (real processes: two encode workers with transformers' Qwen2.5-VL tower, SGLang's
-own server as the language worker, the seeded model; SGLang's server started once for the module).
+one-request flow (real processes: two encode workers running SGLang's encoder, SGLang's own server as the
+language worker, the seeded model; SGLang's server started once for the module).
 
 The bound, per request: ``2 x`` the slowest answer without a fault (the surviving encoder
 carries the failed one's parts too) ``+ ATTEMPTS x DETECT`` (each attempt of a part is known
@@ -31,10 +31,10 @@ import zmq
 from sglang_stack import (
     connector_address,
     connector_health,
+    encode_worker,
     language_server,
     metric,
     prompt,
-    qwen_encoder,
     start_together,
 )
 from transfer_large_image import make_image
@@ -72,7 +72,7 @@ def image_paths(tmp_path_factory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cluster(folder):
-    encoders = start_together(*[functools.partial(qwen_encoder, folder, *HEARTBEAT) for _ in range(2)])
+    encoders = start_together(*[functools.partial(encode_worker, folder, *HEARTBEAT) for _ in range(2)])
     try:
         lang = language_server(folder, [e.url for e in encoders], *HEARTBEAT, "--image-embedding-cache-bytes", "0")
     except BaseException:
