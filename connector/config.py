@@ -102,6 +102,11 @@ class ConnectorConfig:
     waiting_timeout: float = setting(
         300.0, flag="--waiting-timeout", env="SGLANG_DISAGGREGATION_WAITING_TIMEOUT", metavar="SECONDS",
         help="language side: how long a room waits without progress from its encoder (after its init or resume)")
+    join_timeout: float = setting(
+        15.0, flag="--join-timeout", env="SGLANG_EMBEDDING_JOIN_TIMEOUT", metavar="SECONDS",
+        help="language side: how long a room waits for its encoder to say it has the room's encode request "
+             "(our encoders say so at once; a fork encoder is not asked): a room a client made up ends then, "
+             "its blocks back")
     resume_timeout: float = setting(
         300.0, flag="--resume-timeout", env="SGLANG_EMBEDDING_RESUME_TIMEOUT", metavar="SECONDS",
         help="encode side: how long a partly sent room waits for its resume")

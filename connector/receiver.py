@@ -345,7 +345,7 @@ class EmbeddingReceiver:
         """The manager's periodic check of the room's timeouts."""
         c = self._m.config
         self.handle(Tick(now, asleep_since, c.abort_ack_timeout, sum(self._m.pool.item_lens) / c.min_link_rate,
-                         c.unacked_block_hold, c.fork_abort_hold, c.max_sleep, c.waiting_timeout))
+                         c.unacked_block_hold, c.fork_abort_hold, c.max_sleep, c.waiting_timeout, c.join_timeout))
 
     def rebind(self, route: RankRoute) -> None:
         """The encoder restarted at ``route``: ask it again for the round it owes this room."""

@@ -194,6 +194,7 @@ class Tick:
     fork_abort_hold: float  # ... or, with a fork encoder, for the status of the round it owes
     max_sleep: float
     waiting_timeout: float
+    join_timeout: float  # how long an init waits for our encoder to say the room is real
 
 
 @dataclass(frozen=True)
@@ -325,7 +326,7 @@ class ReceiverRoom:
     aborted_at: float = 0.0
     unacked: bool = False  # aborting past its ack wait: its blocks are kept out of use, not waited for
     failure_noted: bool = False
-    heard: bool = False  # a status of the encoder's for this room came
+    heard: bool = False  # a status of the encoder's for this room came (ours says so when the room is real)
 
     # ---- queries (change nothing) ------------------------------------------------------------
 
@@ -638,6 +639,10 @@ class ReceiverRoom:
             if ev.now - ev.asleep_since > ev.max_sleep:
                 self._on_abort(Abort(FailureKind.TIMEOUT, f"{self.peer_name} slept longer than {ev.max_sleep:g}s",
                                      ev.now), out)
+        elif (self.phase == R.WAITING and self.extended and not self.heard and self.total_tokens is None
+              and ev.now - self.last_progress > ev.join_timeout):  # (a total came: restored after a restart)
+            self._on_abort(Abort(FailureKind.TIMEOUT, f"{self.peer_name} has no encode request for room {self.room} "
+                                                      f"(none within {ev.join_timeout:g}s)", ev.now), out)
         elif self.phase in (R.WAITING, R.EARLY) and ev.now - self.last_progress > ev.waiting_timeout:
             self._on_abort(Abort(FailureKind.TIMEOUT, f"no data from {self.peer_name} within "
                                                       f"{ev.waiting_timeout:g}s", ev.now), out)

@@ -211,7 +211,7 @@ class EmbeddingSenderManager:
                 r = self._new_room(room)
             elif not r.claimable:
                 raise ValueError(f"room {room} is already in use")
-            r.claimed = True
+            self._dispatch(r, ev.Claimed())
             return EmbeddingSender(self, r, self._answers[room])
 
     def refuse(self, room: int, kind: FailureKind, reason: str) -> None:
@@ -355,6 +355,9 @@ class EmbeddingSenderManager:
                 self._push.try_send(host, port, self._status_frames(host, port, status))
             case ev.SendAck(host, port, ack):
                 self._send_ack(host, port, ack)
+            case ev.AnnounceJoined(d):  # nor this one
+                if self.peers.speaks_ours(d.peer):
+                    self._push.try_send(d.endpoint, d.port, StatusMsg(r.room, KVPoll.WaitingForInput, 0).encode())
             case ev.AnnounceTotal(d):  # fork peers never get this frame
                 if self.peers.speaks_ours(d.peer):
                     self._push.try_send(d.endpoint, d.port, StatusMsg(r.room, KVPoll.WaitingForInput, 0, "",

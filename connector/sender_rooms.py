@@ -200,12 +200,17 @@ class Woken:
 
 
 @dataclass(frozen=True)
+class Claimed:
+    """An encode request owns the room now: the destinations already in hear that it is real."""
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed: fail a wait that ran out."""
 
 
 Event = (Restored | Handover | Init | Resume | Refused | Abort | Suspend | Fail | Kick | WriteLanded
-         | MoveStarted | Placed | TakenOut | Woken | Tick)
+         | MoveStarted | Placed | TakenOut | Woken | Claimed | Tick)
 
 
 # ---- effects: what the manager does for the room, in order ----------------------------------------
@@ -223,6 +228,14 @@ class SendAck:
     host: str
     port: int
     ack: AbortAckMsg | SuspendAckMsg
+
+
+@dataclass(frozen=True)
+class AnnounceJoined:
+    """The room has its encode half (a request claimed it, or its data is here) and ``dst`` has
+    sent its init: tell it the room is real, so it keeps its blocks for it past the join wait."""
+
+    dst: Destination
 
 
 @dataclass(frozen=True)
@@ -309,7 +322,7 @@ class Ended:
     """The room ended and nothing of it is in flight."""
 
 
-Effect = (SendStatus | SendAck | AnnounceTotal | StartWrite | FreeBlocks | WantBlocks | StagingSettle
+Effect = (SendStatus | SendAck | AnnounceJoined | AnnounceTotal | StartWrite | FreeBlocks | WantBlocks | StagingSettle
           | StagingCharge | StagingPromote | StagingRelease | Delivered | RoomFailed | PeerFailed
           | PeerSucceeded | Confirm | Count | Ended)
 
@@ -459,6 +472,10 @@ class SenderRoom:
                 self._start(world, out)
             case Woken():
                 self.deadline = max(self.deadline, world.now + self.timeouts.resume)
+            case Claimed():
+                self.claimed = True
+                if self.live:
+                    out += [AnnounceJoined(d) for d in self.dsts]
             case Tick():
                 self._check_timeout(world, out)
             case _:
@@ -499,6 +516,8 @@ class SenderRoom:
         self.required_dsts = required_dsts
         dst.joined = world.now
         self.dsts.append(dst)
+        if self.claimed or self.has_data:
+            out.append(AnnounceJoined(dst))
         if self.inited:
             self.state.advance(KVPoll.WaitingForInput)
             self._move(P.READY if self.has_data else P.AWAITING_DATA, world)

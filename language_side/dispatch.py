@@ -157,7 +157,7 @@ class EncoderDispatch:
         grids are read from the positions that came with it. TransferFailure as :meth:`embed`'s
         (the encoder's failure of the room included), :class:`LayoutError` for positions that
         are no image's."""
-        future = self.worker.submit(rid, addr, room)
+        future = self.worker.submit(rid, addr, room, named_by_client=True)
         transfer = await wait_for_future(future, lambda: self.worker.cancel(rid, "the client went away"))
         rows, positions = transfer.pop("embedding"), transfer.pop("mrope_positions")
         return Embedded(rows, grids_from_positions(positions), [], transfer | {"num_tokens": len(rows),

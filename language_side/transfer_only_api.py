@@ -53,7 +53,7 @@ def build_app(worker: LanguageWorker, allowed: BootstrapAllowList, admin_api_key
             raise HTTPError(400, "bootstrap_port must be in 1..65535")
         host = check_host(body.bootstrap_host)
         allowed.check(host, port)
-        future = worker.submit(rid, f"{host}:{port}", room)
+        future = worker.submit(rid, f"{host}:{port}", room, named_by_client=True)
         return web.json_response(await wait_for_future(future, lambda: worker.cancel(rid, "the client went away")))
 
     async def abort_request(request: web.Request) -> web.Response:

@@ -77,6 +77,11 @@ TRANSITIONS: dict[RequestPhase, frozenset[RequestPhase]] = {
 }
 
 
+# Of the pool, what rooms named by clients (the two-request flow) may hold before their encoder
+# says it has them: the rest stays for the rooms this server sends to its encoders itself
+CLIENT_ROOM_SHARE = 0.5
+
+
 @dataclass
 class _Request:
     rid: str
@@ -91,6 +96,14 @@ class _Request:
     init_at: float = 0.0
     saved: SavedRequest | None = None  # while the worker sleeps
     restored_from_disk: bool = False  # no client yet: the next /generate with this rid attaches
+    named_by_client: bool = False  # the two-request flow: a client named the room, which may not exist
+
+    @property
+    def unclaimed(self) -> bool:
+        """A client-named room holding blocks that its encoder has not said it has (yet):
+        perhaps one made up."""
+        return (self.named_by_client and self.phase == Q.TRANSFERRING
+                and not (self.receiver is not None and self.receiver.machine.heard))
 
     def move(self, phase: RequestPhase) -> None:
         self.phase = checked_move(TRANSITIONS, self.phase, phase, f"request {self.rid}")
@@ -128,8 +141,12 @@ class LanguageWorker:
 
     # ---- API ---------------------------------------------------------------------------------
 
-    def submit(self, rid: str, bootstrap_addr: str, room: int) -> Future:
-        """Queue a request; the future resolves to the reply body or raises :class:`TransferFailure`."""
+    def submit(self, rid: str, bootstrap_addr: str, room: int, named_by_client: bool = False) -> Future:
+        """Queue a request; the future resolves to the reply body or raises :class:`TransferFailure`.
+        ``named_by_client``: the two-request flow's room, which a client named: such rooms that
+        their encoder has not claimed hold at most :data:`CLIENT_ROOM_SHARE` of the pool between
+        them (more wait in the queue, the others pass them), so made-up rooms cannot take every
+        block for their join wait."""
         with self._lock:
             existing = self._requests.get(rid)
             if existing is not None and existing.restored_from_disk and existing.room == room:
@@ -149,9 +166,18 @@ class LanguageWorker:
                 self.receivers.abandon(bootstrap_addr, room)
                 self.metrics.failure(exc.kind)
                 raise
-            req = self._requests[rid] = _Request(rid, bootstrap_addr, room)
+            req = self._requests[rid] = _Request(rid, bootstrap_addr, room, named_by_client=named_by_client)
         self._resolve(req)
         return req.future
+
+    def _may_take_blocks(self, req: _Request) -> bool:
+        """Whether ``req`` may have its default allocation now: a client-named room only while
+        such rooms not claimed yet hold less than their share (one always may). Lock held."""
+        if not req.named_by_client:
+            return True
+        per_room = min(self.config.default_allocate_blocks, self.config.num_blocks)
+        held = per_room * sum(r.unclaimed for r in self._transfer)
+        return held == 0 or held + per_room <= int(self.config.num_blocks * CLIENT_ROOM_SHARE)
 
     def cancel(self, rid: str, reason: str) -> bool:
         """The client of ``rid`` went away or aborted it: end it in whatever phase it is."""
@@ -403,12 +429,14 @@ class LanguageWorker:
                 self._wake.wait(0.05)
 
     def _admit(self) -> int:
-        """Give queued requests their default allocation, in order, and send their inits."""
+        """Give queued requests their default allocation, in order (a client-named room over its
+        share is passed), and send their inits."""
         admitted = 0
         while True:
             with self._lock:
-                req = self._prealloc[0] if self._prealloc else None
-                expired = req is not None and time.monotonic() - req.queued_at > self.config.queue_timeout
+                now = time.monotonic()
+                expired = next((r for r in self._prealloc if now - r.queued_at > self.config.queue_timeout), None)
+                req = expired or next((r for r in self._prealloc if self._may_take_blocks(r)), None)
             if req is None:
                 return admitted
             if expired:
@@ -422,10 +450,10 @@ class LanguageWorker:
             if blocks is None:
                 return admitted
             with self._lock:
-                if not self._prealloc or self._prealloc[0] is not req:  # cancelled while the blocks were found
+                if req not in self._prealloc:  # cancelled while the blocks were found
                     self.allocator.free(blocks)
                     continue
-                self._prealloc.popleft()
+                self._prealloc.remove(req)
                 req.move(Q.TRANSFERRING)  # a cancel from here on fails it; the receiver is aborted below
                 self._transfer.append(req)
             try:

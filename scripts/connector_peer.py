@@ -125,6 +125,10 @@ class PeerService:
             sender.send(emb)
             self.senders[sender.room] = sender
             return {"digests": digests, "in_pool": sender.wait_in_pool(5.0)}
+        if op == "claim":  # an encode request for the room, its embedding not made yet
+            sender = manager.create_sender(int(req["room"]))
+            self.senders[sender.room] = sender
+            return {"claimed": True}
         if op == "status":
             sender = self.senders[int(req["room"])]
             status = sender.poll()

@@ -145,8 +145,8 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
             g.add_argument(s.flag, **setting_kwargs(s, d))
     g.add_argument("--allowed-bootstrap-hosts", nargs="+", default=[], metavar="HOST[:PORT]",
                    help="language side: the encoders a /generate may name by bootstrap_host/bootstrap_port (the "
-                        "two-request flow), beside the hosts of --encoder-urls; any other gets 403 before it is "
-                        "contacted (default: only the hosts of --encoder-urls)")
+                        "two-request flow, off unless given; --encoder-urls does not open it); any other gets 403 "
+                        "before it is contacted")
     g.add_argument("--checkpoint-dir", default=None,
                    help="also write sleep checkpoints here (safetensors + JSON + checksum); a worker started with a "
                         "checkpoint in it boots asleep and continues the requests on /wake_up")

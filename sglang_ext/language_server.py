@@ -55,6 +55,7 @@ from worker_infra.http import (
     asleep_error,
     check_host,
     check_room,
+    encoder_host,
     error_body,
     error_reply,
     sleep_params,
@@ -100,7 +101,9 @@ def arm(ours: argparse.Namespace) -> None:
     metrics would then never reach ``/metrics``."""
     global _pending
     try:
-        BootstrapAllowList(ours.allowed_bootstrap_hosts, ours.encoder_urls or [])  # each URL checked too
+        BootstrapAllowList(ours.allowed_bootstrap_hosts)
+        for url in ours.encoder_urls or []:
+            encoder_host(url)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     # SGLang hashes each item's embedding (its radix-cache key) in the scheduler's loop unless
@@ -310,7 +313,7 @@ def _start_receiver(ours: argparse.Namespace, manager):
         worker.sleep(1, True)
     if manager.mm_processor is not None:  # SGLang's fallback when the receiver has nothing: never here
         manager.mm_processor.process_mm_data_async = _no_local_media
-    _here = Connected(ours, worker, receiver, BootstrapAllowList(ours.allowed_bootstrap_hosts, ours.encoder_urls or []),
+    _here = Connected(ours, worker, receiver, BootstrapAllowList(ours.allowed_bootstrap_hosts),
                       restore_on_wake=from_disk)
     _add_routes(manager, worker, dispatch)
     kv = f"{manager.server_args.max_total_tokens} tokens (--max-total-tokens)"

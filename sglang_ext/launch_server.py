@@ -74,7 +74,7 @@ def build(args: argparse.Namespace) -> Built:
         raise SystemExit("error: --encoder-urls needs the language model (--model-path): a transfer-only receiver "
                          "has no prompt to put images in")
     try:
-        allowed = BootstrapAllowList(args.allowed_bootstrap_hosts, [])
+        allowed = BootstrapAllowList(args.allowed_bootstrap_hosts)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     worker = LanguageWorker(config, checkpoint_dir=args.checkpoint_dir, queue_while_sleeping=args.queue_while_sleeping)

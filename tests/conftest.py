@@ -46,8 +46,16 @@ from connector.allocator import BlockAllocator  # noqa: E402
 from connector.buffers import BufferPool  # noqa: E402
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.memory_transport import MemoryTransport  # noqa: E402
-from connector.messages import LanguageBound, PingMsg, PongMsg, RegisterMsg, decode_language_bound  # noqa: E402
+from connector.messages import (  # noqa: E402
+    LanguageBound,
+    PingMsg,
+    PongMsg,
+    RegisterMsg,
+    StatusMsg,
+    decode_language_bound,
+)
 from connector.mooncake_transport import MooncakeTransport  # noqa: E402
+from connector.poll import KVPoll  # noqa: E402
 from connector.receiver import EmbeddingReceiverManager  # noqa: E402
 
 CONNECTOR_KINDS = ("mooncake", "memory")
@@ -211,9 +219,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 # the next whole module when it is free), the rest after them in collection order. The suite is
 # CPU-bound: the two longest CPU-heavy modules each run beside modules that mostly wait (connector
 # tests over Mooncake, timeouts, serial fault tests: about 300 s of them beside each), then the
-# other heavy ones pair up, longest first, and the in-process modules fill the end. Before (longest
-# first, whatever its kind) the heavy modules ran two at a time on two cores for 14 minutes and
-# the waiting ones two at a time at the end, the cores 58% busy (session 18's timelines).
+# other heavy ones pair up, longest first, and the in-process modules fill the end. Longest first
+# whatever its kind ran the heavy modules two at a time on two cores for 14 minutes and the
+# waiting ones two at a time at the end, the cores 58% busy.
 MODULE_ORDER = (
     "test_benchmarks_smoke",  # beside:
     "test_control_plane", "test_transfer", "test_sleep_connector", "test_fork_wire",
@@ -400,6 +408,7 @@ class RawLanguage:
         self.session = session
         self.generation = 1  # of the pool it registers, and says in its pongs
         self.pings = 0
+        self.joined: list[int] = []  # rooms the encoder said it has the encode request of
 
     def connect(self, rank_port: int) -> None:
         self.push.connect(f"tcp://127.0.0.1:{rank_port}")
@@ -413,20 +422,34 @@ class RawLanguage:
         self.send(RegisterMsg("127.0.0.1", self.port, self.session, pool.base_ptrs, *extra))
 
     def recv(self, timeout: float = 30.0) -> LanguageBound | None:
-        """The next message that is not a ping (answered), or None after ``timeout`` seconds."""
+        """The next message that is not a ping (answered) or a room's "joined" status (noted in
+        ``joined``), or None after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while self.pull.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             msg = decode_language_bound(self.pull.recv_multipart())
+            if self._joined(msg):
+                continue
             if not isinstance(msg, PingMsg):
                 return msg
             self.pings += 1
             self.push.send_multipart(PongMsg(self.session, msg.seq, self.generation).encode())
         return None
 
+    def _joined(self, msg: LanguageBound) -> bool:
+        joined = (isinstance(msg, StatusMsg) and msg.status == KVPoll.WaitingForInput and msg.sent_tokens == 0
+                  and msg.total_tokens is None)
+        if joined:
+            self.joined.append(msg.room)
+        return joined
+
     def answer_ping(self, timeout: float = 10.0) -> None:
-        """Wait for the encoder's next ping and answer it (nothing else may come first)."""
-        assert self.pull.poll(int(timeout * 1000)), "no ping from the encoder"
-        msg = decode_language_bound(self.pull.recv_multipart())
+        """Wait for the encoder's next ping and answer it (nothing else but a "joined" status may come first)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.pull.poll(max(0, int((deadline - time.monotonic()) * 1000))), "no ping from the encoder"
+            msg = decode_language_bound(self.pull.recv_multipart())
+            if not self._joined(msg):
+                break
         assert isinstance(msg, PingMsg), msg
         self.pings += 1
         self.push.send_multipart(PongMsg(self.session, msg.seq, self.generation).encode())

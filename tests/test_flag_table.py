@@ -62,6 +62,7 @@ def test_the_table_keeps_every_name_and_default() -> None:
         "ib_device": (None, "--disaggregation-ib-device", ""),
         "bootstrap_timeout": ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "--bootstrap-timeout", 300.0),
         "waiting_timeout": ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "--waiting-timeout", 300.0),
+        "join_timeout": ("SGLANG_EMBEDDING_JOIN_TIMEOUT", "--join-timeout", 15.0),
         "resume_timeout": ("SGLANG_EMBEDDING_RESUME_TIMEOUT", "--resume-timeout", 300.0),
         "heartbeat_interval": ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "--heartbeat-interval", 5.0),
         "heartbeat_max_failures": ("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "--heartbeat-max-failure", 2),

@@ -20,6 +20,7 @@ from sglang_ext.http_guards import AsleepHealth, BodyLimit, ScrubErrors, scrub
 from sglang_ext.language_flags import cpu_kv_tokens, sglang_argv
 from sglang_ext.prompt_bounds import MAX_BATCH_CHARS, too_long
 from sglang_ext.redact import redact_command_line, redact_fields
+from worker_infra.http import BootstrapAllowList, HTTPError
 
 pytestmark = pytest.mark.fast
 
@@ -177,6 +178,21 @@ def test_our_language_mode_gives_sglang_its_bounds_and_cpu_defaults(tmp_path) ->
     own = sglang_argv(["--language-only", "--limit-mm-data-per-request", '{"image": 2}', "--device", "cpu"],
                       argparse.Namespace(**{**vars(ours), "kv_budget": None}))
     assert own.count("--limit-mm-data-per-request") == 1 and "--max-total-tokens" not in own
+
+
+def test_the_two_request_flow_is_open_only_to_the_hosts_allowed_for_it() -> None:
+    """A client names the room of the two-request flow, so only ``--allowed-bootstrap-hosts``
+    opens it: an encoder the server sends images to (``--encoder-urls``) is not thereby one a
+    client may name."""
+    closed = BootstrapAllowList([])
+    with pytest.raises(HTTPError) as refused:
+        closed.check("127.0.0.1", 8998)
+    assert refused.value.status == 403 and "needs --allowed-bootstrap-hosts 127.0.0.1" in str(refused.value)
+    BootstrapAllowList(["127.0.0.1"]).check("127.0.0.1", 8998)
+    only_port = BootstrapAllowList(["10.0.0.5:8998"])
+    only_port.check("10.0.0.5", 8998)
+    with pytest.raises(HTTPError):
+        only_port.check("10.0.0.5", 8999)
 
 
 def test_rooms_a_peer_took_no_part_in_do_not_list_it_unless_it_is_gone() -> None:

@@ -65,6 +65,7 @@ pytestmark = pytest.mark.fast
 P = ReceiverPhase
 BS = 4
 HOLD, UNACKED, FORK_HOLD, MAX_SLEEP, WAITING = 15.0, 300.0, 30.0, 600.0, 300.0
+JOIN = 1000.0  # the join wait, past every other one here unless a test sets it
 
 
 def new_room(extended: bool = True, clone_concat: bool = False) -> ReceiverRoom:
@@ -80,8 +81,8 @@ def status(st_: KVPoll, sent: int | None = None, total: int | None = None, reaso
     return StatusIn(st_, sent, total, reason, None if aux_total is None else aux(aux_total), now, 100.0 + now)
 
 
-def tick(now: float, asleep_since: float | None = None, seconds_per_block: float = 0.0) -> Tick:
-    return Tick(now, asleep_since, HOLD, seconds_per_block, UNACKED, FORK_HOLD, MAX_SLEEP, WAITING)
+def tick(now: float, asleep_since: float | None = None, seconds_per_block: float = 0.0, join: float = JOIN) -> Tick:
+    return Tick(now, asleep_since, HOLD, seconds_per_block, UNACKED, FORK_HOLD, MAX_SLEEP, WAITING, join)
 
 
 def freed(effects: list) -> list[int]:
@@ -329,6 +330,27 @@ def test_timeouts_come_with_ticks() -> None:
     other.on(Init((0, 1)))
     other.on(tick(WAITING + 0.1))
     assert other.phase == P.ABORTING and "no data" in other.state.reason
+
+
+def test_a_room_no_encoder_of_ours_claims_ends_at_the_join_wait() -> None:
+    """Our encoder says a room is real (a status) once it has the room's encode request and the
+    init: a room a client made up hears nothing and ends at the join wait, its blocks given back
+    once the abort is acked; one that was announced waits for its data as long as before. A fork
+    encoder says nothing of the kind: its rooms wait for data as they always did."""
+    made_up = new_room()
+    made_up.on(Init((0, 1)))
+    assert made_up.on(tick(14.0, join=15.0)) == []
+    made_up.on(tick(15.5, join=15.0))
+    assert made_up.phase == P.ABORTING and made_up.state.kind == FailureKind.TIMEOUT
+    assert "has no encode request for room 7 (none within 15s)" in made_up.state.reason
+    assert freed(made_up.on(AbortAck(ours=True))) == [0, 1]
+    real = new_room()
+    real.on(Init((0, 1)))
+    real.on(status(KVPoll.WaitingForInput, 0, now=0.5))
+    assert real.on(tick(WAITING - 1.0, join=15.0)) == [] and real.phase == P.WAITING
+    fork = new_room(extended=False)
+    fork.on(Init((0, 1)))
+    assert fork.on(tick(WAITING - 1.0, join=15.0)) == [] and fork.phase == P.WAITING
 
 
 def test_a_room_the_encoder_never_spoke_of_is_not_counted_as_its_failure() -> None:

@@ -153,7 +153,8 @@ class Driver:
 def test_a_room_larger_than_its_allocation_goes_round_by_round_and_frees_its_blocks_once() -> None:
     d = Driver()
     assert of(d.send(ev.Handover(embedding(300))), ev.WantBlocks)
-    assert d.send(ev.Init(dst("s1", 128), 1)) == [ev.StagingPromote(), ev.WantBlocks()]  # not in blocks yet
+    effects = d.send(ev.Init(dst("s1", 128), 1))  # its data is here: the room is real
+    assert effects[1:] == [ev.StagingPromote(), ev.WantBlocks()] and of(effects, ev.AnnounceJoined)  # not in blocks yet
     assert d.r.phase == P.READY
     assert d.start_move()
     d.finish_move()
@@ -263,12 +264,29 @@ def test_waits_time_out_with_their_reason() -> None:
     assert "language peer slept longer than 100s" in str(s.answers[0].failure)
 
 
+def test_a_room_tells_its_destinations_it_is_real_once_claimed_and_inited() -> None:
+    """Init then claim, or claim then init: each destination hears once that the room has its
+    encode request; a room nobody claims says nothing (its destination gives up at its join wait)."""
+    claimed_late = Driver()
+    assert not of(claimed_late.send(ev.Init(dst("s1", 128), 1)), ev.AnnounceJoined)
+    (joined,) = of(claimed_late.send(ev.Claimed()), ev.AnnounceJoined)
+    assert joined.dst.session_id == "s1" and claimed_late.r.claimed
+    claimed_first = Driver()
+    assert claimed_first.send(ev.Claimed()) == []
+    assert len(of(claimed_first.send(ev.Init(dst("s1", 128), 1)), ev.AnnounceJoined)) == 1
+    never = Driver()
+    never.send(ev.Init(dst("s1", 128), 1))
+    never.now = TIMEOUTS.bootstrap + 1
+    assert not of(never.send(ev.Tick()), ev.AnnounceJoined)
+
+
 def test_a_room_without_its_encode_request_blames_no_language_peer() -> None:
     """A room a client made up reaches the encoder only as the language server's init: when it
     times out there, the language server (which did its part) is not counted as failing."""
     for claimed in (False, True):
         d = Driver()
-        d.r.claimed = claimed
+        if claimed:
+            d.send(ev.Claimed())
         d.send(ev.Init(dst("s1", 128), 1))
         d.now = TIMEOUTS.bootstrap + 1
         (failed,) = of(d.send(ev.Tick()), ev.PeerFailed)

@@ -59,11 +59,29 @@ def test_the_encoder_waits_300s_for_data_and_for_an_init_and_then_fails_each_roo
     wait_for(lang.allocator.all_free, 5, "the language pool to be free")
 
 
+def test_a_room_no_encode_request_claims_gives_its_blocks_back_at_the_join_wait(make_peer, make_language) -> None:
+    """A room a client made up (the two-request flow names it; the encoder has no encode request
+    for it): the encoder never says it has it, and the language side ends it at the join wait,
+    not the 300 s data wait, with its blocks back."""
+    clock = ManualClock()
+    peer, lang = make_peer(bootstrap_timeout=3600), make_language(clock=clock, waiting_timeout=300, join_timeout=15)
+    receiver = start_room(lang, peer, 6, 8)
+    clock.advance(14)
+    stays(lambda: receiver.poll() != KVPoll.Failed, "aborted before the join wait")
+    clock.advance(2)
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the join wait")
+    with pytest.raises(TransferFailure, match="timeout: encode peer .* has no encode request for room 6"):
+        receiver.failure_exception()
+    wait_for(lang.allocator.all_free, 5, "the abort ack")
+
+
 def test_the_language_side_waits_300s_for_data_and_then_aborts_and_gets_its_blocks_back(make_peer,
                                                                                           make_language) -> None:
     clock = ManualClock()
     peer, lang = make_peer(bootstrap_timeout=3600), make_language(clock=clock, waiting_timeout=300)
+    peer.call("claim", room=5)  # an encode request owns the room: the encoder says so at the init
     receiver = start_room(lang, peer, 5, 8)
+    wait_for(lambda: receiver.machine.heard, 5, "the encoder to say it has the room")
     clock.advance(299)
     stays(lambda: receiver.poll() != KVPoll.Failed, "aborted before the waiting timeout")
     clock.advance(2)

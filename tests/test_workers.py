@@ -21,6 +21,7 @@ import pytest
 import requests
 from image_cache import saved_image
 from PIL import Image
+from test_faults import wait_for
 from transfer_large_image import make_image, run_request
 from workers import InProcessWorker, WorkerProcess, start_together
 
@@ -123,9 +124,9 @@ def in_process_sha(encoder: QwenVisionEncoder, paths: list[str]) -> str:
 @pytest.mark.fast
 def test_a_cancel_between_success_and_assembly_fails_that_request_and_nothing_else(images, monkeypatch,
                                                                                   caplog) -> None:
-    """Issue 27: a cancel that came after the scheduler read ``Success`` and before it assembled
-    the embedding raised in the step ("cannot assemble in phase CLOSED"): a traceback, the rest
-    of that step dropped. Forced here by cancelling as the scheduler calls assemble()."""
+    """A cancel that comes after the scheduler read ``Success`` and before it assembled the
+    embedding fails that request alone (not "cannot assemble in phase CLOSED" raised in the step,
+    the rest of that step dropped). Forced here by cancelling as the scheduler calls assemble()."""
     encode, lang = InProcessWorker("encode", "--encoder", "fake"), InProcessWorker("language")
     worker, cancelled = lang.built.worker, []
     real_assemble = EmbeddingReceiver.assemble
@@ -147,6 +148,42 @@ def test_a_cancel_between_success_and_assembly_fails_that_request_and_nothing_el
         assert other["match"], other
         assert not [r for r in caplog.records if "scheduler step failed" in r.getMessage()]
         assert worker.allocator.all_free()
+    finally:
+        lang.stop()
+        encode.stop()
+
+
+@pytest.mark.fast
+def test_rooms_clients_make_up_hold_half_the_pool_at_most_and_end_at_the_join_wait(images) -> None:
+    """Clients of the two-request flow name rooms their (real, allowed) encoder has no encode
+    request for. Between them such rooms hold at most half the pool: with 4 blocks each in a
+    pool of 16, two hold 8 and a third waits in the queue while a room of the server's own (the
+    one-request kind) is served from the other half; the made-up rooms end at the join wait
+    (1 s here), the third after its own, blocks back, the encoder not counted as failing, and a
+    real two-request request is served then."""
+    encode = InProcessWorker("encode", "--encoder", "fake")
+    lang = InProcessWorker("language", "--embedding-cache-buffer-size", "16", "--multimodal-block-size", "128",
+                           "--embedding-default-allocate-buffer-size", "512", "--join-timeout", "1")
+    worker = lang.built.worker
+    made_up = {"bootstrap_host": "127.0.0.1", "bootstrap_port": encode.bootstrap_port}
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            held = [pool.submit(requests.post, f"{lang.url}/generate", timeout=30,
+                                json={**made_up, "rid": f"made-up-{i}", "bootstrap_room": 9000 + i}) for i in range(3)]
+            wait_for(lambda: worker.allocator.free_blocks == 8 and worker.health()["queued"] == 1, 10,
+                     "two made-up rooms holding their share, the third queued")
+            own = worker.submit("own", f"127.0.0.1:{encode.bootstrap_port}", 4242)  # as the dispatch submits
+            encoded = requests.post(f"{encode.url}/encode", timeout=30,
+                                    json={"rid": "own", "bootstrap_room": 4242, "images": [images["small"]]})
+            assert encoded.status_code == 200, encoded.text
+            assert own.result(timeout=30)["sha256"] == encoded.json()["sha256"]
+            answers = [f.result() for f in held]
+        assert all(a.status_code == 504 and "has no encode request for room" in a.text for a in answers), \
+            [a.text for a in answers]
+        wait_for(worker.allocator.all_free, 5, "the made-up rooms' blocks")
+        assert worker.health()["failing_encoders"] == []
+        real = run_request(encode.url, lang.url, encode.bootstrap_port, "real", 42, [images["small"]], 30)
+        assert real["match"], real
     finally:
         lang.stop()
         encode.stop()
@@ -235,9 +272,9 @@ class _Banner(BaseHTTPRequestHandler):
 
 @pytest.mark.serial  # timed: refused within 2 s, not after a connect timeout
 def test_the_language_worker_contacts_no_host_a_client_names_and_reflects_nothing(pair) -> None:
-    """Issue 26 (4). Before, /generate with bootstrap_host/bootstrap_port made the worker GET
+    """A /generate with bootstrap_host/bootstrap_port must not make the worker GET
     http://HOST:PORT/route for any host and put the remote status (or the connection error) in
-    its 502: an SSRF and port-scan oracle. Now only allowed encoders are contacted (loopback here,
+    its 502 (an SSRF and port-scan oracle): only allowed encoders are contacted (loopback here,
     ``--allowed-bootstrap-hosts 127.0.0.1``), and a failed lookup reads the same whatever answered."""
     url = f"{pair.language.url}/generate"
 
@@ -434,10 +471,9 @@ def test_encoder_dying_mid_request_gives_a_5xx_naming_the_peer(images) -> None:
 
 @pytest.mark.serial  # it times the exit
 def test_ctrl_c_ends_the_encode_worker_within_2s_even_during_a_4k_forward_pass(pair, images) -> None:
-    """Issue 34 (9): the encode worker took 5-15 s to exit after SIGINT (the README says within a
-    few seconds; 2 s is the target). Its close waited for the forward pass under way (seconds for
-    a 4K image), then for Mooncake to release its engine (0.5-1 s), then the interpreter tore
-    down torch's and transformers' modules (1-3 s). Last in this module: it ends the pair's
+    """The encode worker exits within 2 s of SIGINT. Unbounded, its close would wait for the
+    forward pass under way (seconds for a 4K image), then for Mooncake to release its engine
+    (0.5-1 s), then the interpreter would tear down torch's and transformers' modules (1-3 s). Last in this module: it ends the pair's
     encode worker (after a 4K image through it, with another one being encoded)."""
     assert pair.request([images["4k"]])["match"]
     with ThreadPoolExecutor(1) as pool:

@@ -177,15 +177,14 @@ def encoder_host(url: str) -> str:
 
 class BootstrapAllowList:
     """The encoders a request may name by ``bootstrap_host``/``bootstrap_port`` (the two-request
-    flow): the hosts of ``--encoder-urls`` and the entries of ``--allowed-bootstrap-hosts``
-    (``host`` for any port of it, or ``host:port``). Anything else is refused with 403 before
-    this worker contacts it, so a client cannot make it fetch or probe a host of its choosing."""
+    flow): the entries of ``--allowed-bootstrap-hosts`` (``host`` for any port of it, or
+    ``host:port``), and nothing else: being in ``--encoder-urls`` does not open the flow, whose
+    rooms a client names. Anything else is refused with 403 before this worker contacts it, so
+    a client cannot make it fetch or probe a host of its choosing."""
 
-    def __init__(self, entries: list[str], encoder_urls: list[str]) -> None:
+    def __init__(self, entries: list[str]) -> None:
         self._hosts: set[str] = set()
         self._addrs: set[tuple[str, int]] = set()
-        for url in encoder_urls:
-            self._hosts.add(_canonical_host(encoder_host(url)))
         for entry in entries:
             host, port = _host_and_port(entry)
             if port is None:
@@ -197,8 +196,8 @@ class BootstrapAllowList:
         """HTTPError 403 unless ``host:port`` (``host`` as :func:`check_host` returned it) is allowed."""
         name = _canonical_host(host.strip("[]"))
         if name not in self._hosts and (name, port) not in self._addrs:
-            raise HTTPError(403, f"bootstrap_host {host}:{port} is not an encoder this worker may contact (start it "
-                                 f"with --allowed-bootstrap-hosts {host} or name it in --encoder-urls)")
+            raise HTTPError(403, f"bootstrap_host {host}:{port} is not an encoder this worker may contact (the "
+                                 f"two-request flow needs --allowed-bootstrap-hosts {host})")
 
 
 def _host_and_port(entry: str) -> tuple[str, int | None]:
