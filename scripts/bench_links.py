@@ -14,7 +14,7 @@ Each time runs from "the encoder holds the embedding in its blocks" to "the rece
 its bytes". Prints per link the medians, each mode's throughput as a share of the line rate,
 ``resume/single``, the round trip (an 8-byte request answered by one byte) and what the resume
 round cost in round trips, then per link ``link_<rate>mbit_connector_of_line_rate=<x>`` and
-``link_<rate>mbit_resume_within_target=<bool>``. Issue 37's targets: at least 0.8 of the line
+``link_<rate>mbit_resume_within_target=<bool>``. The targets: at least 0.8 of the line
 rate on 1 Gbit/s and 100 Mbit/s; resume at most 1.05x single plus one round trip. Needs root,
 iproute2, iptables.
 

@@ -1,4 +1,4 @@
-"""Small requests beside big ones on SGLang's language server, with two encoders (issue 34, item 4).
+"""Small requests beside big ones on SGLang's language server, with two encoders.
 
 Starts two encode workers and SGLang's server in our language mode
 (``python -m sglang.launch_server --disaggregation-mode language``) on the seeded checkpoint

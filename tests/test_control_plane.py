@@ -59,10 +59,10 @@ def test_a_register_that_names_a_live_endpoint_is_dropped_and_its_owner_keeps_wo
 
 def test_a_register_naming_a_live_session_from_elsewhere_or_with_a_forged_pool_takes_nothing_from_it(
         make_peer, make_language, raw_language) -> None:
-    """Issue 26 (1): a register whose session id is a live worker's Mooncake address, from a new
-    endpoint, generation 2**63-1. Before: the encoder took it, refused the real worker's
-    registers as older and every init of it as ``not_owner``. Now a registration belongs to its
-    endpoint (issue 34): the stranger's is kept beside the worker's, for the stranger's own
+    """A register whose session id is a live worker's Mooncake address, from a new endpoint,
+    generation 2**63-1: taken as is, it would make the encoder refuse the real worker's registers
+    as older and every init of it as ``not_owner``. A registration belongs to its endpoint: the
+    stranger's is kept beside the worker's, for the stranger's own
     requests, and the worker's endpoint keeps its own. One naming the worker's endpoint with
     another pool is settled by the worker's answer to a ping, with its own generation."""
     peer, lang = make_peer(), make_language()
@@ -91,7 +91,7 @@ def test_a_register_naming_a_live_session_from_elsewhere_or_with_a_forged_pool_t
 @pytest.mark.parametrize("forged_at", ["a silent endpoint", "an endpoint answering pings", "the worker's endpoint"])
 def test_a_register_forged_before_the_workers_first_keeps_it_out_one_ping_round_trip_at_most(
         make_peer, make_language, raw_language, forged_at) -> None:
-    """Issue 34 (3): a register naming a language worker's Mooncake session reaches the encoder
+    """A register naming a language worker's Mooncake session reaches the encoder
     before the worker's own first one (right after it started), with generation 2**63-1 and
     another pool. Before: from another endpoint, the encoder took it and refused the worker's
     inits (a two-frame ``Failed``: "no reason given") until that endpoint had missed its pings
@@ -172,10 +172,10 @@ def test_an_abort_or_resume_from_a_stranger_changes_nothing(make_peer, make_lang
 @pytest.mark.parametrize("forged", [AbortMsg, SuspendMsg])
 def test_an_abort_or_suspend_forged_with_the_owners_endpoint_fails_the_owners_room_at_once(
         make_peer, make_language, raw_language, forged) -> None:
-    """Issue 26 (3): without the secret nothing proves who sent an ABORT or a SUSPEND; one naming
-    the owner's endpoint ends (or holds) the room at the encoder. Before, the owner learnt nothing
-    and waited for its 300 s waiting timeout; now the encoder's ack of a message it never sent
-    fails the room there at once (a suspended room is aborted, so it ends at the encoder too)."""
+    """Without the secret nothing proves who sent an ABORT or a SUSPEND; one naming the owner's
+    endpoint ends (or holds) the room at the encoder. The owner must not learn nothing and wait
+    for its 300 s waiting timeout: the encoder's ack of a message it never sent fails the room
+    there at once (a suspended room is aborted, so it ends at the encoder too)."""
     peer, lang = make_peer(), make_language()
     peer.call("stage", room=1, tokens=20_000, seed=1)
     receiver = start_room(lang, peer, 1, 64)  # partial: waits for a resume
@@ -282,7 +282,7 @@ def test_a_fork_peer_gets_only_fork_frames_even_when_a_stranger_registers_its_ad
     assert raw.expect(room=1) == StatusMsg(1, KVPoll.Success)
     assert raw.pings == 0 and raw.recv(1.0) is None  # no ping, no ack
     # An older generation at that address: nothing there answers pings, so nothing proves which of
-    # the stranger's registers is a replay (issue 34: refusing it let a forged 2**63-1 keep a
+    # the stranger's registers is a replay (refusing it would let a forged 2**63-1 keep a
     # worker out); the fork peer's own session is served as before, in fork frames.
     old_pool = tuple(p - (1 << 30) for p in pool.base_ptrs)
     raw.send(RegisterMsg("127.0.0.1", raw.port, "127.0.0.1:7", old_pool, 4, pool.num_blocks, pool.item_lens))

@@ -165,7 +165,7 @@ def test_mrope_positions_of_two_images() -> None:
     assert delta == (6 + 2) - (6 + 2 + 1 + 2)
 
 
-# ---- hostile media (issue 12, part 1) ---------------------------------------------------------
+# ---- hostile media ---------------------------------------------------------
 
 def test_local_files_only_inside_the_allowed_directories_and_refusals_do_not_tell_existence(tmp_path: Path) -> None:
     allowed = tmp_path / "allowed"

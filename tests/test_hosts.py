@@ -8,7 +8,7 @@ their workers by ``sglang serve`` as a user does (a fresh interpreter; SGLang sp
 detokenizer), the second ones by ``python -m sglang.launch_server`` as the other tests do (forked from
 the tests' warm launcher, ``EPD_FORK_WORKERS``), all with 1 s heartbeats. Greedy ids are checked against transformers' monolithic ``generate``; every address
 a worker gave a peer is checked to be its own host's; every port a worker's host listens on is
-one the README's deployment table lists. Then partitions, not process deaths: links between an
+one docs/deployment.md's ports table lists. Then partitions, not process deaths: links between an
 encoder host and a language host cut both ways and one way, a language host cut off from both
 encoders, lost packets.
 """
@@ -71,7 +71,7 @@ MOONCAKE_STATUS_S = 5  # connector.mooncake_transport's MC_TCP_STATUS_TIMEOUT_SE
 
 @pytest.fixture(scope="module")
 def net():
-    # Each host as the README's deployment section sets one up: TCP's retransmission back-off
+    # Each host as docs/deployment.md sets one up: TCP's retransmission back-off
     # capped at 1 s (Mooncake's connections made into a cut link then retry within a second of
     # its end; the connector caps its own ZMQ connections itself, which the client host, left
     # at the kernel's default, tests).
@@ -280,7 +280,7 @@ def listening(host) -> set[int]:
 def test_a_stranger_on_the_bridge_can_do_nothing_without_the_secret_or_the_key(net, workers) -> None:
     """From a host on the same bridge: unsigned ZMQ messages to either worker's connector are
     dropped and counted, the admin routes answer 401 without the key, ``PUT /route`` 401, and
-    both still serve. The ports each worker's host listens on are those the README lists:
+    both still serve. The ports each worker's host listens on are those docs/deployment.md lists:
     HTTP, the encoder's bootstrap port, each connector's ZMQ port, Mooncake's handshake and data
     ports (15000-17000), and, on the language host, SGLang's own (none beyond these with one
     rank: its sockets are IPC files or loopback)."""
@@ -309,7 +309,7 @@ def test_a_stranger_on_the_bridge_can_do_nothing_without_the_secret_or_the_key(n
     for worker, host, known in ((encode, net["encoder"], {encode.port, encode.bootstrap_port, zmq_port["encode"]}),
                                 (language, net["language"], {language.port, zmq_port["language"]})):
         unlisted = {p for p in listening(host) - known if not 15000 <= p <= 17000}
-        assert not unlisted, f"{worker.mode} host listens on ports the README does not list: {sorted(unlisted)}"
+        assert not unlisted, f"{worker.mode} host listens on ports docs/deployment.md does not list: {sorted(unlisted)}"
     assert mooncake_port in listening(net["encoder"])
 
 
@@ -635,7 +635,7 @@ def stop_alone(worker: WorkerProcess, host) -> float:
 @pytest.mark.serial  # timed: the exit within 2 s
 def test_ctrl_c_right_after_a_4k_image_ends_the_encode_worker_within_2_s(net, workers) -> None:
     """(Last but one in this module: it stops the encoder.) Every block of both pools is back
-    after the 4K requests above, SIGINT ends the encode worker at once (issue 34: it took 5-15 s)
+    after the 4K requests above, SIGINT ends the encode worker at once (within 2 s)
     and leaves no process of it on its host."""
     encode, language = workers
     health = encoder_health(encode)

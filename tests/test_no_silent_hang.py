@@ -173,9 +173,9 @@ def failing_encoders(healths: list[dict]) -> list[dict]:
 
 
 def test_a_frozen_encoder_costs_no_client_more_than_the_bound(cluster, image_paths, bound) -> None:
-    """Issue 26 (2). Before: a part on the frozen encoder waited for that encoder's ``/encode``
-    (until it came back, or its bootstrap timeout); now the part goes to the other encoder as
-    soon as the language side finds the frozen one dead, and its stale ``/encode`` is dropped."""
+    """A part on the frozen encoder does not wait for that encoder's ``/encode`` (until it comes
+    back, or its bootstrap timeout): it goes to the other encoder as soon as the language side
+    finds the frozen one dead, and its stale ``/encode`` is dropped."""
     limit = bound()
     encoders, lang = cluster
     frozen = encoders[0]
@@ -219,11 +219,11 @@ def test_a_frozen_encoder_costs_no_client_more_than_the_bound(cluster, image_pat
 
 
 def test_forged_registers_and_frames_cost_no_client_anything(cluster, image_paths, bound) -> None:
-    """Issue 26 (1): a register naming the language worker's Mooncake session from another
+    """A register naming the language worker's Mooncake session from another
     endpoint with generation 2**63-1, sent to both encoders while the session is idle, and
     another naming its own endpoint with a forged pool; frames forged to the language worker.
-    Before, the encoders took the first: every later init of the real worker was refused and
-    its clients waited for the bootstrap timeout."""
+    Were the encoders to take the first, every later init of the real worker would be refused
+    and its clients would wait for the bootstrap timeout."""
     limit = bound()
     encoders, lang = cluster
     lang_host, lang_port, session = connector_address(lang)

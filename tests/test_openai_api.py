@@ -328,8 +328,7 @@ def test_an_image_sent_again_comes_from_the_cache_and_one_pixel_makes_another(cl
 @pytest.mark.parametrize("encoders, tried", [(1, 1), (2, 2), (4, 3)])
 def test_a_part_is_tried_once_per_encoder_at_most_three_times_and_the_error_says_so(monkeypatch, encoders,
                                                                                     tried) -> None:
-    """Issue 34 (3): with two encoders a part got two attempts and its 502 said "(2 tried)" where
-    the README said 3 attempts. Each attempt goes to an encoder the part has not failed on (the
+    """Each attempt goes to an encoder the part has not failed on (the
     same one would most likely fail it again, a detection later): min(3, encoders) attempts,
     and the error says which of them it made."""
     dispatch = EncoderDispatch([f"http://127.0.0.1:{9000 + i}" for i in range(encoders)], None, EmbeddingCache(0))

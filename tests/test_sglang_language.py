@@ -377,7 +377,7 @@ def test_on_a_cpu_the_kv_pool_fits_the_machine(workers, folder) -> None:
 def test_only_the_hosts_address_is_listened_on_by_sglangs_processes(workers) -> None:
     """``--host 127.0.0.1``: SGLang's scheduler and detokenizer listen on nothing else (its
     torch.distributed store listened on every interface; with one rank it is a file store now).
-    The main process's other listeners are Mooncake's (README: what each port accepts)."""
+    The main process's other listeners are Mooncake's (docs/deployment.md: what each port accepts)."""
     _, language = workers
     for child in psutil.Process(language.proc.pid).children(recursive=True):
         listening = [c.laddr for c in child.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]

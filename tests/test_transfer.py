@@ -89,7 +89,7 @@ def test_a_fork_style_register_without_optional_frames_works(make_peer, make_lan
 
 def test_an_embedding_copied_at_assembly_is_copied_outside_the_managers_lock(make_peer, make_language,
                                                                              monkeypatch) -> None:
-    """Issue 27: a room whose blocks are not one run is copied into a new array at assembly
+    """A room whose blocks are not one run is copied into a new array at assembly
     (75 MB for a 4K image); the manager's lock, which every status of every room needs, is free
     meanwhile. Bytes still equal what was staged."""
     peer, lang = make_peer(), make_language()
@@ -110,7 +110,7 @@ def test_an_embedding_copied_at_assembly_is_copied_outside_the_managers_lock(mak
 
 
 def test_a_spill_copies_outside_the_managers_lock(make_peer, make_language, monkeypatch) -> None:
-    """Issue 27: with no block free, a room's landed rounds are copied to host memory to make
+    """With no block free, a room's landed rounds are copied to host memory to make
     room (a spill); the manager's lock is free meanwhile. Bytes still equal what was staged."""
     peer, lang = make_peer(), make_language(num_blocks=128)
     m = lang.manager
