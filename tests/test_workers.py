@@ -189,6 +189,33 @@ def test_rooms_clients_make_up_hold_half_the_pool_at_most_and_end_at_the_join_wa
         encode.stop()
 
 
+@pytest.mark.parametrize("mode", ["encode", "language"])
+def test_a_worker_whose_picked_port_another_process_took_starts_on_another(monkeypatch, mode) -> None:
+    """The harness (the main job, the scripts and the tests start workers through it) picks free
+    ports, and another process may bind one before the worker does: the start sees the bind fail
+    and picks again, instead of failing the run."""
+    import workers
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(workers, "free_port", lambda: next(picks, None) or socket_free_port())
+    worker = WorkerProcess(mode, *(("--encoder", "fake") if mode == "encode" else ()))
+    try:
+        assert worker.port != taken.getsockname()[1]
+        assert requests.get(f"{worker.url}/health", timeout=10).status_code == 200
+    finally:
+        worker.stop()
+        taken.close()
+
+
+def socket_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_4k_image_takes_a_resume_round_and_matches_in_process_encoding(pair, images, in_process_encoder) -> None:
     res = pair.request([images["4k"]])
     assert res["match"], res
