@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -181,4 +182,23 @@ class AsleepHealth:
             asleep = asleep_error("language")
             return await _answer(send, asleep.kind.http_status, str(asleep), {"sleeping": True},
                                  [(b"retry-after", asleep.kind.retry_after.encode())])
+        await self.app(scope, receive, send)
+
+
+class FreezeGcAfterWake:
+    """SGLang's launcher calls ``/freeze_gc`` once the server is warm; it asks the scheduler, which
+    a server booted asleep (from ``--checkpoint-dir``) has paused, so it timed out after 10 s and
+    logged a traceback. While ``connector`` sleeps the route answers at once (200, ``{"deferred":
+    true}``) and ``pending`` is set: the wake-up freezes then."""
+
+    def __init__(self, app, connector: LanguageWorker, pending: asyncio.Event) -> None:
+        self.app, self.connector, self.pending = app, connector, pending
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/freeze_gc" and self.connector.is_sleeping():
+            self.pending.set()
+            body = json.dumps({"deferred": True, "is_sleeping": True}).encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            return await send({"type": "http.response.body", "body": body})
         await self.app(scope, receive, send)

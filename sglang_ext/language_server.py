@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request  # SGLang's server is FastAPI; this module runs only where it is installed
 
 from connector.failures import TransferFailure
-from sglang_ext.http_guards import AsleepHealth, BodyLimit, RetryAfter, ScrubErrors
+from sglang_ext.http_guards import AsleepHealth, BodyLimit, FreezeGcAfterWake, RetryAfter, ScrubErrors
 from sglang_ext.prompt_bounds import too_long
 from worker_infra.http import (
     BootstrapAllowList,
@@ -352,6 +352,7 @@ def _add_routes(manager, worker, dispatch) -> None:
     from connector.checkpoint import CheckpointError
 
     released = False  # SGLang's memory occupation, by a level-2 sleep
+    freeze_pending = asyncio.Event()  # SGLang's /freeze_gc came while asleep (FreezeGcAfterWake)
 
     def refused(exc: Exception) -> ORJSONResponse:
         status, message, headers, kind = error_reply(exc)
@@ -385,6 +386,9 @@ def _add_routes(manager, worker, dispatch) -> None:
             await manager.continue_generation(ContinueGenerationReqInput())
         except (HTTPError, TransferFailure, CheckpointError) as exc:
             return refused(exc)
+        if freeze_pending.is_set():  # asked for while asleep (a boot from disk): the scheduler answers now
+            freeze_pending.clear()
+            await manager.freeze_gc()
         return ORJSONResponse({"changed": True, "is_sleeping": worker.is_sleeping()})
 
     async def health():
@@ -406,6 +410,7 @@ def _add_routes(manager, worker, dispatch) -> None:
         return Response(text + worker.metrics.render() + dispatch.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(AsleepHealth, connector=worker)
+    app.add_middleware(FreezeGcAfterWake, connector=worker, pending=freeze_pending)
     app.add_middleware(RetryAfter, connector=worker)
     app.add_middleware(ScrubErrors)
     app.add_middleware(BodyLimit, max_bytes=_here.ours.max_request_body_bytes)  # outermost: before anything reads

@@ -56,6 +56,10 @@ SAMPLING_BATCH_INFO = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo
 SEEDED_DRAW = "sglang.srt.layers.sampler.multinomial_with_seed"  # torch.compile'd: eager on a CPU
 # the top-k/top-p draw: for a seeded batch, noise on token ids, not on ranks (sglang_ext/seeds.py)
 FILTERED_DRAW = "sglang.srt.layers.sampler.top_k_top_p_min_p_sampling_from_probs_torch"
+# SGLang's /freeze_gc call once warm: with --skip-server-warmup (a server booted asleep from disk)
+# it came before uvicorn listened (connection refused, a traceback in the log)
+FREEZE_GC = "sglang.srt.entrypoints.http_server._freeze_gc_after_server_warmup"
+LISTEN_WAIT_S = 60.0
 # SGLang transfer backends and the Mooncake protocol each maps to (None: from --mooncake-protocol)
 BACKENDS = {"mooncake": None, "mooncake_tcp": "tcp"}
 
@@ -96,6 +100,7 @@ def register() -> None:
     HookRegistry.register(SAMPLING_BATCH_INFO, _after_sampling_batch_info, HookType.AFTER)
     HookRegistry.register(SEEDED_DRAW, _around_seeded_draw, HookType.AROUND)
     HookRegistry.register(FILTERED_DRAW, _around_filtered_draw, HookType.AROUND)
+    HookRegistry.register(FREEZE_GC, _around_freeze_gc, HookType.AROUND)
     from sglang_ext.no_encoder_tower import TOWERS  # the models left without their towers on the language side
 
     for model, tower in TOWERS.items():
@@ -195,6 +200,23 @@ def _around_filtered_draw(original, *args, **kwargs):
     from sglang_ext.seeds import vocabulary_draw
 
     return vocabulary_draw(original, *args, **kwargs)
+
+
+def _around_freeze_gc(original, server_args, *args, **kwargs):
+    """SGLang's freeze of its GC once warm, asked of its own HTTP server: wait until that server
+    answers (at most :data:`LISTEN_WAIT_S`), then ask."""
+    import time
+
+    import requests
+
+    deadline = time.monotonic() + LISTEN_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            requests.get(server_args.url() + "/is_sleeping", timeout=2, verify=False)
+            break
+        except requests.exceptions.RequestException:
+            time.sleep(0.2)
+    return original(server_args, *args, **kwargs)
 
 
 def _around_torch_native_extend(original, *args, **kwargs):

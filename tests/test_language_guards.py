@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 
 from connector.failures import FailureKind
 from connector.peer_health import FailingPeers
-from sglang_ext.http_guards import AsleepHealth, BodyLimit, ScrubErrors, scrub
+from sglang_ext.http_guards import AsleepHealth, BodyLimit, FreezeGcAfterWake, ScrubErrors, scrub
 from sglang_ext.language_flags import cpu_kv_tokens, sglang_argv
 from sglang_ext.prompt_bounds import MAX_BATCH_CHARS, too_long
 from sglang_ext.redact import redact_command_line, redact_fields
@@ -91,6 +91,32 @@ def test_health_answers_at_once_while_asleep_and_reaches_sglangs_route_when_awak
     assert asyncio.run(get("/is_sleeping")).json() == {"is_sleeping": True}  # other routes pass
     connector.asleep = False
     assert asyncio.run(get("/health_generate")).status_code == 200
+
+
+def test_freeze_gc_is_deferred_to_the_wake_up_while_asleep() -> None:
+    """SGLang's launcher calls /freeze_gc once warm; on a server booted asleep its handler waits
+    for the paused scheduler (10 s, then a logged traceback). Asleep: answered at once, noted."""
+    app, connector, pending = FastAPI(), Sleeper(), asyncio.Event()
+    frozen = []
+
+    @app.post("/freeze_gc")
+    async def freeze_gc():  # as SGLang's: asks the scheduler
+        await asyncio.sleep(0 if not connector.asleep else 30)
+        frozen.append(True)
+        return JSONResponse({}, status_code=200)
+
+    app.add_middleware(FreezeGcAfterWake, connector=connector, pending=pending)
+
+    async def post_freeze() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await asyncio.wait_for(client.post("/freeze_gc"), 5)
+
+    connector.asleep = True
+    answer = asyncio.run(post_freeze())
+    assert answer.status_code == 200 and answer.json()["deferred"] is True
+    assert pending.is_set() and frozen == []
+    connector.asleep = False
+    assert asyncio.run(post_freeze()).status_code == 200 and frozen == [True]
 
 
 def test_a_body_at_the_bound_passes_and_one_byte_more_is_413_declared_or_streamed() -> None:

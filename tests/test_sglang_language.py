@@ -785,6 +785,9 @@ def test_a_language_server_killed_asleep_restarts_from_disk_and_its_requests_go_
         language.proc.wait()
     restarted = WorkerProcess(*SECOND_ARGS, command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
     SECOND.append(restarted)
+    # SGLang's launcher froze GC once warm by asking the paused scheduler (10 s, then a traceback):
+    # answered at once while asleep, done at the wake-up
+    assert not [line for line in restarted.log if "freeze_gc failed" in line], restarted.log[-20:]
     refused = generate(restarted, [images["448x448"]], "asleep-on-start")
     assert refused.status_code == 503 and refused.headers["Retry-After"] == "5", refused.text
     assert_asleep_health(restarted)
