@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,19 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from make_checkpoint import write_checkpoint  # noqa: E402
 from transfer_large_image import make_image  # noqa: E402
-from workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess  # noqa: E402
+from workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, tree_rss  # noqa: E402
 
 SIZES = ((448, 448), (640, 480), (1024, 768))
 TARGET_MIB = 50.0
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and every process under it."""
-    try:
-        root = psutil.Process(pid)
-        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
-    except psutil.Error:
-        return 0
 
 
 def chat(url: str, index: int) -> None:

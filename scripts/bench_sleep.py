@@ -42,14 +42,13 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from transfer_large_image import make_image  # noqa: E402
-from workers import SGLANG_READY, WorkerProcess, free_port, start_together  # noqa: E402
+from workers import SGLANG_READY, WorkerProcess, free_port, start_together, tree_rss  # noqa: E402
 
 SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 P = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -68,14 +67,6 @@ def kv_bytes_per_token(folder: str) -> int:
     dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16"
     return 2 * text["num_hidden_layers"] * (text.get("num_key_value_heads") or heads) * head_dim * (
         4 if dtype in ("float32", "float") else 2)
-
-
-def tree_rss(pid: int) -> int:
-    try:
-        root = psutil.Process(pid)
-        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
-    except psutil.Error:
-        return 0
 
 
 def start_workers(folder: str, max_total_tokens: int, timeout: float) -> tuple[WorkerProcess, WorkerProcess]:

@@ -46,7 +46,7 @@ import psutil  # noqa: E402
 import requests  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402
 from transfer_large_image import make_image  # noqa: E402
-from workers import SGLANG_READY, WorkerProcess  # noqa: E402
+from workers import SGLANG_READY, WorkerProcess, tree_rss  # noqa: E402
 
 SGLANG = (sys.executable, "-m", "sglang.launch_server")
 SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "2560x1440": (2560, 1440), "3840x2160": (3840, 2160)}
@@ -76,16 +76,9 @@ class Memory:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _tree_rss(self, pid: int) -> int:
-        try:
-            root = psutil.Process(pid)
-            return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
-        except psutil.Error:
-            return 0
-
     def _run(self) -> None:
         while not self._stop.wait(0.2):
-            now = {name: self._tree_rss(pid) for name, pid in self.roots.items()}
+            now = {name: tree_rss(pid) for name, pid in self.roots.items()}
             for name, rss in now.items():
                 self.peak[name] = max(self.peak[name], rss)
             if sum(now.values()) > self.limit and not self.killed_at:

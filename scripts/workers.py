@@ -136,6 +136,15 @@ class WorkerProcess:
         return self.proc.returncode
 
 
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and every process under it (0 once it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+    except psutil.Error:
+        return 0
+
+
 def _descendants(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)

@@ -66,13 +66,18 @@ def test_a_room_no_encode_request_claims_gives_its_blocks_back_at_the_join_wait(
     clock = ManualClock()
     peer, lang = make_peer(bootstrap_timeout=3600), make_language(clock=clock, waiting_timeout=300, join_timeout=15)
     receiver = start_room(lang, peer, 6, 8)
-    clock.advance(14)
-    stays(lambda: receiver.poll() != KVPoll.Failed, "aborted before the join wait")
-    clock.advance(2)
-    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the join wait")
-    with pytest.raises(TransferFailure, match="timeout: encode peer .* has no encode request for room 6"):
-        receiver.failure_exception()
+    assert_aborts_at(clock, receiver, 15, "timeout: encode peer .* has no encode request for room 6")
     wait_for(lang.allocator.all_free, 5, "the abort ack")
+
+
+def assert_aborts_at(clock: ManualClock, receiver, seconds: float, reason: str) -> None:
+    """``receiver`` still waits a second before ``seconds`` on ``clock``, and fails just after, for ``reason``."""
+    clock.advance(seconds - 1)
+    stays(lambda: receiver.poll() != KVPoll.Failed, f"aborted before {seconds}s")
+    clock.advance(2)
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, f"the abort at {seconds}s")
+    with pytest.raises(TransferFailure, match=reason):
+        receiver.failure_exception()
 
 
 def test_the_language_side_waits_300s_for_data_and_then_aborts_and_gets_its_blocks_back(make_peer,
@@ -82,12 +87,7 @@ def test_the_language_side_waits_300s_for_data_and_then_aborts_and_gets_its_bloc
     peer.call("claim", room=5)  # an encode request owns the room: the encoder says so at the init
     receiver = start_room(lang, peer, 5, 8)
     wait_for(lambda: receiver.machine.heard, 5, "the encoder to say it has the room")
-    clock.advance(299)
-    stays(lambda: receiver.poll() != KVPoll.Failed, "aborted before the waiting timeout")
-    clock.advance(2)
-    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the waiting timeout")
-    with pytest.raises(TransferFailure, match="timeout: no data from encode peer .* within 300s"):
-        receiver.failure_exception()
+    assert_aborts_at(clock, receiver, 300, "timeout: no data from encode peer .* within 300s")
     wait_for(lang.allocator.all_free, 5, "the abort ack")
     assert lang.manager.stats["abort_acked"] == 1  # the encoder acked: its clock never moved
     assert peer.call("stats")["counters"].get("failed:aborted") == 1  # the encoder heard the abort
