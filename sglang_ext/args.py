@@ -85,8 +85,9 @@ def shared_flags(d: ConnectorConfig | None = None) -> tuple[SharedFlag, ...]:
             lambda urls: urls or None),
         SharedFlag("--port", dict(type=int, default=30000, help="HTTP port (default %(default)s)")),
         SharedFlag("--model-path", dict(default=None, help="checkpoint folder (config.json + safetensors): the "
-                                        "encoder's model, the language server's model. Without it: the fake encoder "
-                                        "(--encoder fake) or a transfer-only receiver")),
+                                        "encoder's model, the language server's model. Without it an encode worker "
+                                        "runs transformers' Qwen2.5-VL tower with built-in seeded weights (or --encoder "
+                                        "fake, for tests) and a language worker is a transfer-only receiver")),
         SharedFlag("--disaggregation-bootstrap-port", dict(
             type=int, default=8998, help="encode side: port of the bootstrap server (default %(default)s)")),
         SharedFlag("--disaggregation-transfer-backend", dict(
