@@ -199,23 +199,26 @@ def around_generate_request(original, manager, obj, *args, **kwargs):
         stream = _refused(400, why)
     else:
         try:
-            name_room(obj, _here.allowed, _here.receiver.room_marker)
+            if name_room(obj, _here.allowed, _here.receiver.room_marker) and request is not None:
+                from sglang_ext.mm_receiver import CLIENT_ATTRIBUTE
+
+                setattr(obj, CLIENT_ATTRIBUTE, request)  # its room ends if the client goes away
             stream = _here.receiver.annotated(obj, original(manager, obj, *args, **kwargs))
         except HTTPError as exc:
             stream = _refused(exc.status, exc.message)
     return with_status(stream, _openai_route(request))
 
 
-def name_room(obj, allowed: BootstrapAllowList, marker: str) -> None:
+def name_room(obj, allowed: BootstrapAllowList, marker: str) -> bool:
     """The two-request flow: a ``/generate`` whose images a router sent to an encoder, naming that
     encoder's bootstrap address and the room by ``bootstrap_host``/``bootstrap_port``/
     ``bootstrap_room``, and its prompt's image placeholders in ``text`` or ``input_ids``. Checked
     here (HTTPError 400; 403 for an encoder not allowed, before it is contacted); ``image_data``
     becomes ``[marker]``, so SGLang hands the request to the receiver, which receives the room.
-    A request naming no encoder is left as it is."""
+    A request naming no encoder is left as it is (False)."""
     named = {name: getattr(obj, f"bootstrap_{name}", None) for name in ("host", "port", "room")}
     if all(value is None for value in named.values()):
-        return
+        return False
     if any(value is None for value in named.values()):
         raise HTTPError(400, "bootstrap_host, bootstrap_port and bootstrap_room go together (the two-request flow)")
     if any(isinstance(value, list) for value in named.values()) or not isinstance(obj.text, str | None) or (
@@ -232,6 +235,7 @@ def name_room(obj, allowed: BootstrapAllowList, marker: str) -> None:
     check_room(named["room"])
     allowed.check(check_host(host), port)
     obj.image_data = [marker]
+    return True
 
 
 async def around_openai_request(original, serving, request, *args, **kwargs):

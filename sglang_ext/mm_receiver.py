@@ -206,10 +206,13 @@ class ResumableReceiver:
         return torch.from_numpy(np.ascontiguousarray(rows)).view(torch.bfloat16).to(self.dtype)
 
     async def _receive_room(self, rid: str, request_obj) -> Embedded:
-        """The room a two-request /generate names (checked by ``language_server.name_room``)."""
+        """The room a two-request /generate names (checked by ``language_server.name_room``). A
+        client that goes away meanwhile ends it at once (its room is the client's only while the
+        client is there; SGLang does not look for a gone client before the prompt is built)."""
         addr = f"{request_obj.bootstrap_host}:{request_obj.bootstrap_port}"
+        receiving = self.dispatch.receive_room(rid, addr, int(request_obj.bootstrap_room))
         try:
-            return await self._tracked(rid, self.dispatch.receive_room(rid, addr, int(request_obj.bootstrap_room)))
+            return await self._tracked(rid, receiving, getattr(request_obj, CLIENT_ATTRIBUTE, None))
         except LayoutError as exc:
             raise EmbeddingUnavailable(502, f"the embedding from the encoder at {addr} cannot be placed: {exc}") from None
 
@@ -231,11 +234,15 @@ class ResumableReceiver:
 
         return await self._tracked(rid, every_kind())
 
-    async def _tracked(self, rid: str, receiving):
-        """``receiving`` (a request's media on their way), abortable by ``rid`` (:meth:`abort`),
-        its failures as :class:`EmbeddingUnavailable` with their status."""
+    async def _tracked(self, rid: str, receiving, client=None):
+        """``receiving`` (a request's media on their way), abortable by ``rid`` (:meth:`abort`)
+        and, given the ``client``'s HTTP request, ended when it disconnects; its failures as
+        :class:`EmbeddingUnavailable` with their status."""
         task = self._embedding[rid] = asyncio.ensure_future(receiving)
+        watcher = asyncio.ensure_future(_end_when_gone(client, task)) if client is not None else None
         try:
+            if watcher is not None and await _ended_by(watcher, task):
+                raise EmbeddingUnavailable(499, f"request {rid}: the client went away")
             return await task
         except ImageRefused as exc:
             raise EmbeddingUnavailable(exc.status, str(exc)) from None
@@ -246,6 +253,8 @@ class ResumableReceiver:
                 raise
             raise EmbeddingUnavailable(499, f"request {rid}: aborted by /abort_request") from None
         finally:
+            if watcher is not None:
+                watcher.cancel()
             self._embedding.pop(rid, None)
 
     async def annotated(self, obj, stream):
@@ -298,3 +307,28 @@ class ResumableReceiver:
             return False
         task.cancel()
         return True
+
+
+# The attribute of a two-request /generate's request object that holds its client's HTTP request
+# (``language_server.around_generate_request`` sets it), for :meth:`ResumableReceiver._tracked`
+CLIENT_ATTRIBUTE = "_epd_client"
+CLIENT_POLL_S = 0.5  # how often a waiting two-request /generate looks whether its client is there
+
+
+async def _end_when_gone(client, task: asyncio.Task) -> bool:
+    """Cancel ``task`` once ``client`` (a Starlette request) has disconnected; True then."""
+    while not task.done():
+        if await client.is_disconnected():
+            task.cancel()
+            return True
+        await asyncio.sleep(CLIENT_POLL_S)
+    return False
+
+
+async def _ended_by(watcher: asyncio.Future, task: asyncio.Task) -> bool:
+    """Wait for ``task``; True when ``watcher`` ended it (its client went away)."""
+    await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    if watcher.done() and not watcher.cancelled() and watcher.result():
+        await asyncio.gather(task, return_exceptions=True)  # its room ended, blocks back
+        return True
+    return False

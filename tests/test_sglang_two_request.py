@@ -213,6 +213,21 @@ def test_a_router_giving_up_on_the_encode_half_ends_the_generate_half(workers, t
     wait_until(lambda: pools_free(encode, language), "every block back")
 
 
+@pytest.mark.unanswered_ok  # the client gives up on purpose
+def test_a_client_that_goes_away_ends_its_room_at_once(workers) -> None:
+    """A two-request ``/generate`` naming a room no encode request will come for, its client gone
+    after 2 s (as ``curl -m 2``): the room ends within a poll of the disconnect, its blocks back,
+    not at the join wait (15 s) or the data wait (300 s)."""
+    encode, language = workers
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{language.url}/generate", json=named(encode, "gone-client", secrets.randbits(62), 1),
+                      timeout=(10, 2.0))
+    gone_at = time.monotonic()
+    wait_until(lambda: pools_free(encode, language), "every block back", timeout=10)
+    assert time.monotonic() - gone_at < 5
+    assert [line for line in language.log if "rid=gone-client" in line and "the client went away" in line]
+
+
 def pools_free(encode: WorkerProcess, language: WorkerProcess) -> bool:
     enc = encoder_health(encode)
     lang = requests.get(f"{language.url}/epd/health", timeout=10).json()
