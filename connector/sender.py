@@ -355,13 +355,10 @@ class EmbeddingSenderManager:
                 self._push.try_send(host, port, self._status_frames(host, port, status))
             case ev.SendAck(host, port, ack):
                 self._send_ack(host, port, ack)
-            case ev.AnnounceJoined(d):  # nor this one
-                if self.peers.speaks_ours(d.peer):
-                    self._push.try_send(d.endpoint, d.port, StatusMsg(r.room, KVPoll.WaitingForInput, 0).encode())
-            case ev.AnnounceTotal(d):  # fork peers never get this frame
-                if self.peers.speaks_ours(d.peer):
-                    self._push.try_send(d.endpoint, d.port, StatusMsg(r.room, KVPoll.WaitingForInput, 0, "",
-                                                                      r.total_tokens).encode())
+            case ev.AnnounceJoined(d):
+                self._announce(d, StatusMsg(r.room, KVPoll.WaitingForInput, 0))
+            case ev.AnnounceTotal(d):
+                self._announce(d, StatusMsg(r.room, KVPoll.WaitingForInput, 0, "", r.total_tokens))
             case ev.StartWrite(write):
                 self._writers.submit((r, write))
             case ev.FreeBlocks(blocks):
@@ -399,6 +396,11 @@ class EmbeddingSenderManager:
                 self._ended.move_to_end(r.room)
                 while len(self._ended) > _MAX_ENDED:
                     self._drop(self._ended.popitem(last=False)[0])
+
+    def _announce(self, dst: Destination, status: StatusMsg) -> None:
+        """A status of our extensions (the room is real; its total): fork peers never get it."""
+        if self.peers.speaks_ours(dst.peer):
+            self._push.try_send(dst.endpoint, dst.port, status.encode())
 
     def _send_ack(self, host: str, port: int, ack: AbortAckMsg | SuspendAckMsg) -> None:
         """Only to a peer that speaks our extensions (a stranger may name a fork peer's address

@@ -170,11 +170,9 @@ class LanguageWorker:
         self._resolve(req)
         return req.future
 
-    def _may_take_blocks(self, req: _Request) -> bool:
-        """Whether ``req`` may have its default allocation now: a client-named room only while
-        such rooms not claimed yet hold less than their share (one always may). Lock held."""
-        if not req.named_by_client:
-            return True
+    def _client_share_left(self) -> bool:
+        """Whether a client-named room may have its default allocation now: while such rooms not
+        claimed yet hold less than their share (one always may). Lock held."""
         per_room = min(self.config.default_allocate_blocks, self.config.num_blocks)
         held = per_room * sum(r.unclaimed for r in self._transfer)
         return held == 0 or held + per_room <= int(self.config.num_blocks * CLIENT_ROOM_SHARE)
@@ -436,7 +434,8 @@ class LanguageWorker:
             with self._lock:
                 now = time.monotonic()
                 expired = next((r for r in self._prealloc if now - r.queued_at > self.config.queue_timeout), None)
-                req = expired or next((r for r in self._prealloc if self._may_take_blocks(r)), None)
+                share_left = self._client_share_left()
+                req = expired or next((r for r in self._prealloc if share_left or not r.named_by_client), None)
             if req is None:
                 return admitted
             if expired:

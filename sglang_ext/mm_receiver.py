@@ -241,8 +241,6 @@ class ResumableReceiver:
         task = self._embedding[rid] = asyncio.ensure_future(receiving)
         watcher = asyncio.ensure_future(_end_when_gone(client, task)) if client is not None else None
         try:
-            if watcher is not None and await _ended_by(watcher, task):
-                raise EmbeddingUnavailable(499, f"request {rid}: the client went away")
             return await task
         except ImageRefused as exc:
             raise EmbeddingUnavailable(exc.status, str(exc)) from None
@@ -251,6 +249,9 @@ class ResumableReceiver:
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # the client went away: SGLang's handler is cancelled
                 raise
+            if watcher is not None and watcher.done() and not watcher.cancelled() and watcher.exception() is None \
+                    and watcher.result():  # ... or this receiver saw it go
+                raise EmbeddingUnavailable(499, f"request {rid}: the client went away") from None
             raise EmbeddingUnavailable(499, f"request {rid}: aborted by /abort_request") from None
         finally:
             if watcher is not None:
@@ -324,11 +325,3 @@ async def _end_when_gone(client, task: asyncio.Task) -> bool:
         await asyncio.sleep(CLIENT_POLL_S)
     return False
 
-
-async def _ended_by(watcher: asyncio.Future, task: asyncio.Task) -> bool:
-    """Wait for ``task``; True when ``watcher`` ended it (its client went away)."""
-    await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    if watcher.done() and not watcher.cancelled() and watcher.result():
-        await asyncio.gather(task, return_exceptions=True)  # its room ended, blocks back
-        return True
-    return False
