@@ -847,15 +847,20 @@ def test_the_encoders_sleep_and_wake_need_its_admin_key(workers) -> None:
 
 
 def test_an_encoders_death_is_a_clear_error_and_the_server_lives_on(workers, images, tmp_path) -> None:
-    """Last in the module: the encoder is stopped. Its request gets 502 at once (the encoder failed
-    it); the next ones 503 with Retry-After (no encoder answers /health: come back later); SGLang's
-    server keeps serving text. (The chat's image is one never sent before: an image sent as a data: URI
-    earlier would come from the embedding cache, no encoder needed.)"""
+    """Last in the module: the encoder is stopped. Its request is answered at once: 502 when it reaches
+    the dead encoder before the background probe does (the encoder failed it), 503 when the probe took
+    the encoder out of rotation first; the next ones 503 with Retry-After (no encoder answers /health:
+    come back later); SGLang's server keeps serving text. (The chat's image is one never sent before: an
+    image sent as a data: URI earlier would come from the embedding cache, no encoder needed.)"""
     encode, language = workers
     encode.stop()
+    started = time.monotonic()
     answer = generate(language, [images["448x448"]], "no-encoder")
-    assert answer.status_code == 502, answer.text
+    assert time.monotonic() - started < 10, "a dead encoder's request waited"
+    assert answer.status_code in (502, 503), answer.text
     assert "no encoder could encode" in answer.json()["error"]["message"]
+    if answer.status_code == 503:
+        assert "no encoder answers /health" in answer.json()["error"]["message"], answer.text
     from openai import APIStatusError, OpenAI
 
     client = OpenAI(base_url=f"{language.url}/v1", api_key="none", timeout=60, max_retries=0)
