@@ -253,14 +253,14 @@ class EncodeWorker:
             raise TransferFailure(FailureKind.TOO_LARGE, f"decoding these {modality}s takes about {decode_need} "
                                                          f"bytes, over the decode budget of {self.decoding.limit} "
                                                          f"(--decode-memory-bytes); send fewer or smaller ones")
-        await self._granted(sender.admit(self.sender.staged_bytes_for(tokens)), lambda: (
+        await self._granted(sender, sender.admit(self.sender.staged_bytes_for(tokens)), lambda: (
             f"no host memory for the embedding within {self.config.queue_timeout:g}s ({self.sender.staging.used} "
             f"of {self.config.staging_bytes} bytes staged)"))
         with self._lock:
             decode_grant = self.decoding.request(sender.room, decode_need, urgent=False)
         work: Future | None = None  # the decode or forward pass under way on a worker thread
         try:
-            await self._granted(decode_grant, lambda: (
+            await self._granted(sender, decode_grant, lambda: (
                 f"no memory to decode the {modality}s within {self.config.queue_timeout:g}s ({self.decoding.used} "
                 f"of {self.decoding.limit} decode bytes in use)"))
             started = time.monotonic()
@@ -304,13 +304,19 @@ class EncodeWorker:
         with self._lock:
             self.decoding.release(room)
 
-    async def _granted(self, grant: Future, why_not: Callable[[], str]) -> None:
-        """Wait up to ``queue_timeout`` for a memory grant; 503 with ``why_not()`` after that (and
-        the failure of the room, if it failed while it waited)."""
+    async def _granted(self, sender: EmbeddingSender, grant: Future, why_not: Callable[[], str]) -> None:
+        """Wait up to ``queue_timeout`` for a memory grant; 503 with ``why_not()`` after that. A room
+        that fails meanwhile (its language peer aborted it or went away, its bootstrap wait ended)
+        answers its client at once with that failure, and its place in the queue goes."""
         granted = asyncio.wrap_future(grant)
-        done, _ = await asyncio.wait({granted}, timeout=self.config.queue_timeout)
-        if not done:
+        failed = asyncio.wrap_future(sender.delivered)  # fails with the room; set only after a send
+        failed.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even if nobody awaits it
+        done, _ = await asyncio.wait({granted, failed}, timeout=self.config.queue_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if granted not in done:
             granted.cancel()
+            if failed in done:
+                failed.result()  # raises the room's failure
             raise TransferFailure(FailureKind.OVERLOADED, why_not())
         granted.result()
 

@@ -67,7 +67,7 @@ def main() -> None:
     # the encoder and both language servers start side by side (a server asks its encoders for
     # their /health at its first request, not at start-up)
     encode, *languages = start_together(
-        lambda: WorkerProcess("encode", "--model-path", folder, "--encoder", "qwen", port=encode_port),
+        lambda: WorkerProcess("encode", "--model-path", folder, port=encode_port),
         *(lambda extra=extra: WorkerProcess("language", "--model-path", folder, "--encoder-urls",
                                             f"http://127.0.0.1:{encode_port}", "--skip-server-warmup", *extra,
                                             timeout=300) for extra in configs.values()))

@@ -68,13 +68,13 @@ def cpu_flags() -> list[str]:
     return ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle", "--enable-mixed-chunk"]
 
 
-def start_stacks(folder: str, encoder: str, max_total_tokens: int, timeout: float) -> dict[str, WorkerProcess]:
+def start_stacks(folder: str, max_total_tokens: int, timeout: float) -> dict[str, WorkerProcess]:
     """The encode worker, the language server and the monolithic server, started at once."""
     common = ["--model-path", folder, "--skip-server-warmup", "--enable-metrics", "--max-total-tokens",
               str(max_total_tokens), *cpu_flags()]
     encode_port = free_port()
     starts = {
-        "encode": lambda: WorkerProcess("encode", "--model-path", folder, "--encoder", encoder, port=encode_port,
+        "encode": lambda: WorkerProcess("encode", "--model-path", folder, port=encode_port,
                                         command=SGLANG_LAUNCH, timeout=timeout),
         "epd": lambda: WorkerProcess("language", *common, "--encoder-urls", f"http://127.0.0.1:{encode_port}",
                                      command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=timeout),
@@ -168,9 +168,6 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(f"{w}x{h}" for w, h in SIZES), help="WxH,...")
     ap.add_argument("--reps", type=int, default=3, help="distinct images per size")
     ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--encoder", default="sglang", choices=["sglang", "qwen"],
-                    help="the encode worker's encoder: SGLang's own (the monolithic server's code; default) or "
-                         "transformers' Qwen2.5-VL tower")
     ap.add_argument("--max-total-tokens", type=int, default=32768, help="both servers' KV pool")
     ap.add_argument("--quick", action="store_true", help="448x448 only, one repetition")
     ap.add_argument("--json", help="write the rows here")
@@ -185,7 +182,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.model_path or str(write_checkpoint(Path(tmp) / "seeded", 3584))
         log("starting the encode worker, SGLang's language server and SGLang's monolithic server ...")
-        servers = start_stacks(folder, args.encoder, args.max_total_tokens, 600)
+        servers = start_stacks(folder, args.max_total_tokens, 600)
         log(f"all up after {time.perf_counter() - began:.0f} s")
         try:
             rows = measure(servers, sizes, reps, args.new_tokens, tmp, log)

@@ -1,7 +1,8 @@
 """Throughput and latency of an encode/language pair under concurrent load.
 
-Starts an encode worker (fake encoder: the numbers are the connector's, not the model's) and
-a language worker with the default pools, then, for each concurrency level ``c``, keeps ``c``
+Starts an encode worker (SGLang's encoder on the seeded Qwen2.5-VL checkpoint, width 3584, one
+layer, unless ``--model-path``: a small tower, so the numbers are mostly the connector's) and a
+transfer-only language worker with the default pools, then, for each concurrency level ``c``, keeps ``c``
 request pairs in flight until ``max(c, --min-requests)`` have been sent. Each pair is a
 router's: ``/encode`` and ``/generate`` for one image of a random size (448x448 to 3840x2160),
 the two calls in random order. One more row runs the highest level against a second language
@@ -31,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from transfer_large_image import make_image, run_request  # noqa: E402
-from workers import WorkerProcess  # noqa: E402
+from workers import WorkerProcess, embedding_width  # noqa: E402
 
 SIZES = [(448, 448), (1000, 300), (1024, 768), (1920, 1080), (2048, 2048), (3840, 2160)]
 
@@ -78,6 +79,8 @@ def main() -> int:
     ap.add_argument("--sizes", default=",".join(f"{w}x{h}" for w, h in SIZES),
                     help="image sizes to draw from (default %(default)s)")
     ap.add_argument("--timeout", type=float, default=300.0, help="per call, seconds (default %(default)s)")
+    ap.add_argument("--model-path", help="the encoder's checkpoint (default: the seeded Qwen2.5-VL, width 3584, "
+                                         "written to a temp folder)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -91,13 +94,20 @@ def main() -> int:
     started: list[WorkerProcess] = []
     rows = []
     try:
+        folder = args.model_path
+        if folder is None:
+            from make_checkpoint import write_checkpoint
+
+            print("writing the seeded checkpoint ...", file=sys.stderr, flush=True)
+            folder = str(write_checkpoint(Path(tmp.name) / "seeded", 3584))
         print("starting the workers ...", file=sys.stderr, flush=True)
-        encode = WorkerProcess("encode", "--encoder", "fake")
-        language = WorkerProcess("language")
+        width = ("--hidden-size", str(embedding_width(folder)))
+        encode = WorkerProcess("encode", "--model-path", folder)
+        language = WorkerProcess("language", *width)
         started += [encode, language]
         runs = [(language, "default", c) for c in levels]
         if args.small_pool:
-            small = WorkerProcess("language", "--embedding-cache-buffer-size", str(args.small_pool))
+            small = WorkerProcess("language", *width, "--embedding-cache-buffer-size", str(args.small_pool))
             started.append(small)
             runs.append((small, f"{args.small_pool} blocks", max(levels)))
         print(f"{'language pool':<14} {'conc':>4} {'done':>9} {'images/s':>8} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8}"

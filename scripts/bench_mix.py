@@ -235,7 +235,7 @@ def start_workers(folder: str, encoders: int, language_args: list[str]) -> dict[
     started: dict[str, WorkerProcess] = {}
     try:
         with ThreadPoolExecutor(encoders) as pool:
-            for i, f in enumerate([pool.submit(WorkerProcess, "encode", "--model-path", folder, "--encoder", "qwen")
+            for i, f in enumerate([pool.submit(WorkerProcess, "encode", "--model-path", folder)
                                    for _ in range(encoders)]):
                 started[f"encoder{i + 1}"] = f.result()
         urls = [w.url for w in started.values()]

@@ -2,8 +2,8 @@
 (SGLang pauses in place, the KV kept) against level 2 (SGLang retracts, the KV freed and
 recomputed at wake-up), measured side by side in one run.
 
-An encode worker (transformers' Qwen2.5-VL tower: ``python -m sglang.launch_server
---disaggregation-mode encode --encoder qwen``) and SGLang's server as the language worker
+An encode worker (SGLang's encoder: ``python -m sglang.launch_server
+--disaggregation-mode encode``) and SGLang's server as the language worker
 (``... --disaggregation-mode language --encoder-urls``, ``--disable-radix-cache``: every run of
 a request is prefilled from scratch, so a run compares with another only through the sleep) on
 one checkpoint folder (the seeded one, hidden 3584, one layer, 2 KiB of KV per token, unless
@@ -72,7 +72,7 @@ def kv_bytes_per_token(folder: str) -> int:
 def start_workers(folder: str, max_total_tokens: int, timeout: float) -> tuple[WorkerProcess, WorkerProcess]:
     encode_port = free_port()
     encode, language = start_together(
-        lambda: WorkerProcess("encode", "--model-path", folder, "--encoder", "qwen", port=encode_port,
+        lambda: WorkerProcess("encode", "--model-path", folder, port=encode_port,
                               command=SGLANG_LAUNCH, timeout=timeout),
         lambda: WorkerProcess("language", "--model-path", folder, "--encoder-urls", f"http://127.0.0.1:{encode_port}",
                               "--skip-server-warmup", "--disable-radix-cache", "--max-total-tokens",

@@ -1,6 +1,6 @@
 """Does receiving a large image's embedding stall SGLang's decoding?
 
-An encode worker (transformers' tower, ``--encoder qwen``) and SGLang's language server on the
+An encode worker (SGLang's encoder) and SGLang's language server on the
 seeded checkpoint of the 7B's width (hidden 3584, one layer: a 3840x2160 image is 10,549 rows,
 75.6 MB). ``--streams`` greedy text streams decode; once they run steadily, 3840x2160 images
 (a new one each time, the embedding cache off) are sent one after another as one-token
@@ -55,7 +55,7 @@ def start(folder: str, one_thread: bool, timeout: float = 300.0) -> tuple[Worker
     encode_port = free_port()
     env = {"OMP_NUM_THREADS": "1"} if one_thread else {}
     encode, language = start_together(
-        lambda: WorkerProcess("encode", "--model-path", folder, "--encoder", "qwen", port=encode_port,
+        lambda: WorkerProcess("encode", "--model-path", folder, port=encode_port,
                               command=SGLANG_LAUNCH, timeout=timeout, env=env),
         lambda: WorkerProcess("language", "--model-path", folder, "--encoder-urls", f"http://127.0.0.1:{encode_port}",
                               "--skip-server-warmup", "--max-total-tokens", "65536", "--image-embedding-cache-bytes",

@@ -1,11 +1,10 @@
 """Ours against upstream SGLang EPD, side by side in one run, on one checkpoint and the same images.
 
-Three stacks, all up at once, each a language server fed by an encoder:
+Two stacks, both up at once, each a language server fed by an encoder:
 
 * ``sglang``: SGLang's own encoder in our encode worker, sending through the resumable connector
   to SGLang's language server (``python -m sglang.launch_server --disaggregation-mode encode`` and
   ``... language --encoder-urls``);
-* ``tower``: the same with transformers' Qwen2.5-VL tower as the encoder (``--encoder qwen``);
 * ``upstream``: SGLang's ``--encoder-only`` server + ``--language-only --encoder-urls
   --encoder-transfer-backend zmq_to_scheduler`` (its ``mooncake`` backend allocates on ``cuda:``),
   started with this project's plugin turned off (``SGLANG_PLUGINS=none``).
@@ -180,16 +179,15 @@ def itl_under_prefill(url: str, kind: str, small_image: str, big_image: str, str
             "big": big.get("error") or f"TTFT {big['ttft']:.2f} s"}
 
 
-KINDS = ("sglang", "tower", "upstream")
+KINDS = ("sglang", "upstream")
 
 
 def start_stack(kind: str, folder: str, language_args: list[str], pin: bool) -> tuple[WorkerProcess, WorkerProcess]:
     """``pin``: the encoder's processes on CPU 1, the language server's on CPU 0 (as if on two
     machines, a core each)."""
     on_cpu = (lambda cpu, command: ("taskset", "-c", str(cpu), *command)) if pin else (lambda cpu, command: command)
-    if kind in ("sglang", "tower"):
-        encoder = ("--encoder", "sglang" if kind == "sglang" else "qwen")
-        encode = WorkerProcess("encode", "--model-path", folder, *encoder, timeout=300, command=on_cpu(1, SGLANG))
+    if kind == "sglang":
+        encode = WorkerProcess("encode", "--model-path", folder, timeout=300, command=on_cpu(1, SGLANG))
         language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url,
                                  "--max-total-tokens", "65536", "--skip-server-warmup", *language_args,
                                  command=on_cpu(0, SGLANG), ready=SGLANG_READY, timeout=300)

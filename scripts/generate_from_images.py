@@ -58,7 +58,7 @@ def prompt_for(images: int) -> str:
     return f"<|im_start|>user\n{marks}Describe {'it' if images == 1 else 'them'}.<|im_end|>\n<|im_start|>assistant\n"
 
 
-def start_workers(folder: str, encoder: str, encode_args: list[str], language_args: list[str],
+def start_workers(folder: str, encode_args: list[str], language_args: list[str],
                   timeout: float, net: Network | None = None) -> tuple[WorkerProcess, WorkerProcess]:
     """The encode worker and SGLang's language server, started side by side (the language server
     asks its encoders for their ``/health`` at the first request, not at start-up); on ``net``'s
@@ -70,7 +70,7 @@ def start_workers(folder: str, encoder: str, encode_args: list[str], language_ar
     language = ["--model-path", folder, "--encoder-urls", f"http://{encode_host}:{encode_port}", "--skip-server-warmup",
                 "--enable-metrics", *language_args]  # --enable-metrics: SGLang's time stamps in meta_info
     encode, lang = start_together(
-        lambda: WorkerProcess("encode", "--model-path", folder, "--encoder", encoder, *encode_args, port=encode_port,
+        lambda: WorkerProcess("encode", "--model-path", folder, *encode_args, port=encode_port,
                               command=SGLANG_LAUNCH, timeout=timeout, **place["encoder"]),
         lambda: WorkerProcess("language", *language, command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=timeout,
                               **place["language"]))
@@ -117,13 +117,12 @@ def monolithic_check(folder: str, prompt: str, paths: list[str], got: list[int])
     compares them, else what differs."""
     from monolithic import greedy_generate, greedy_mismatch, reference_inputs
     from PIL import Image
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-
-    from embedding_side.encoders import QwenVisionEncoder
+    from transformers import AutoProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
     images = [Image.open(p).convert("RGB") for p in paths]
-    inputs = reference_inputs(QwenVisionEncoder(folder), AutoTokenizer.from_pretrained(folder), prompt, images)
+    inputs = reference_inputs(AutoProcessor.from_pretrained(folder).image_processor,
+                              AutoTokenizer.from_pretrained(folder), prompt, images)
     reference = greedy_generate(model, inputs, len(got))
     return reference.ids, greedy_mismatch(got, reference)
 
@@ -134,8 +133,6 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a 448x448 image and a 2-image request only")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--check", default="448x448", help="the request checked against the monolithic model")
-    ap.add_argument("--encoder", default="sglang", choices=["sglang", "qwen"],
-                    help="the encode worker's encoder: SGLang's own (default) or transformers' Qwen2.5-VL tower")
     ap.add_argument("--encode-arg", action="append", default=[], help="extra flag for the encode worker")
     ap.add_argument("--language-arg", action="append", default=[], help="extra flag for SGLang's language server")
     ap.add_argument("--timeout", type=float, default=600.0)
@@ -160,7 +157,7 @@ def main() -> int:
             requests_set.append((name, paths))
         log("starting the encode worker and SGLang's language server ...")
         results = {}
-        encode, lang = start_workers(folder, args.encoder, args.encode_arg, args.language_arg, args.timeout, net)
+        encode, lang = start_workers(folder, args.encode_arg, args.language_arg, args.timeout, net)
         log(f"both up after {time.perf_counter() - began:.0f} s: encoder at {encode.url}, language server at {lang.url}")
         try:
             # SGLang's encoder's first forward pass is several times slower than the next ones

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from embedding_side.encoders import MAX_PIXELS, MERGE, MIN_PIXELS, PATCH, TEMPORAL, small_tower_config  # noqa: E402
+# Qwen2.5-VL-7B's geometry: 14 px patches, 2x2 merge, 2 frames a patch in time, and the hub
+# preprocessor_config's bounds (4 to 16384 merged tokens per image).
+PATCH, MERGE, TEMPORAL = 14, 2, 2
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 16384 * (PATCH * MERGE) ** 2
 
 # Qwen's special tokens, in the order they get ids after the 256 byte tokens.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -213,9 +213,17 @@ def decisive_language_model(model, family: str, seed: int, layers: int, norm_off
     set_answer_head(model.get_output_embeddings(), head_direction(hidden_size, head_seed))
 
 
+def small_tower_config(out_hidden_size: int) -> dict:
+    """A seeded vision tower with Qwen2.5-VL-7B's geometry (112 px windows) and one narrow windowed
+    block, so a 4K image encodes in about a second."""
+    return dict(depth=1, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=out_hidden_size,
+                hidden_act="silu", patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL,
+                window_size=112, fullatt_block_indexes=[])
+
+
 def model_config(hidden_size: int, ids: dict[str, int], layers: int = 1) -> dict:
-    """A small Qwen2.5-VL: the vision tower the encode worker builds by default, and a language
-    model of ``layers`` layers (one by default) whose width is the tower's output width."""
+    """A small Qwen2.5-VL: a small vision tower, and a language model of ``layers`` layers (one by
+    default) whose width is the tower's output width."""
     heads = hidden_size // 128  # head_dim 128, as in Qwen2.5-VL-3B/7B
     text = {"vocab_size": VOCAB_SIZE, "hidden_size": hidden_size, "intermediate_size": 512, "num_hidden_layers": layers,
             "num_attention_heads": heads, "num_key_value_heads": 4 if heads % 4 == 0 else heads,

@@ -23,18 +23,14 @@ NEW_TOKENS = 24
 IMAGE_PAD = "<|image_pad|>"
 
 
-def reference_tokens(model, encoder, tokenizer, text: str, images, max_new_tokens: int = NEW_TOKENS) -> list[int]:
-    """transformers' own generate, from pixels, in one process."""
-    return greedy_generate(model, reference_inputs(encoder, tokenizer, text, images), max_new_tokens).ids
-
-
-def reference_inputs(encoder, tokenizer, text: str, images) -> dict:
+def reference_inputs(image_processor, tokenizer, text: str, images) -> dict:
     """What transformers' Qwen2.5-VL ``generate`` takes for ``text`` with ``images``: the prompt
-    with each image's placeholder expanded, and the pixels as its image processor makes them."""
+    with each image's placeholder expanded, and the pixels as the checkpoint's image processor
+    (``AutoProcessor.from_pretrained(folder).image_processor``) makes them."""
     kwargs = {}
     grids = []
     if images:
-        inputs = encoder.processor(images=images, return_tensors="pt")
+        inputs = image_processor(images=images, return_tensors="pt")
         kwargs = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
         grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
     ids = torch.tensor([expand_image_pads(tokenizer, text, grids)])

@@ -23,7 +23,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workers import WorkerProcess  # noqa: E402
+from workers import WorkerProcess, embedding_width  # noqa: E402
 
 DEFAULT_SET = [("448x448", [(448, 448)]), ("1024x1024", [(1024, 1024)]), ("2048x2048", [(2048, 2048)]),
                ("3840x2160", [(3840, 2160)]), ("4x1920x1080", [(1920, 1080)] * 4)]
@@ -109,7 +109,8 @@ def main() -> int:
     ap.add_argument("images", nargs="*", help="image paths (each one request); default: a generated set up to 4K")
     ap.add_argument("--encode-url", help="a running encode worker (else one is started)")
     ap.add_argument("--language-url", help="a running language worker (else one is started)")
-    ap.add_argument("--encoder", choices=["qwen", "fake"], default="qwen", help="for the started encode worker")
+    ap.add_argument("--model-path", help="the started encode worker's checkpoint (default: the seeded Qwen2.5-VL, "
+                                         "width 3584, written to a temp folder)")
     ap.add_argument("--worker-arg", action="append", default=[], help="extra flag for both started workers")
     ap.add_argument("--repeat", type=int, default=1, help="send the set this many times")
     ap.add_argument("--timeout", type=float, default=300.0)
@@ -135,12 +136,18 @@ def main() -> int:
             encode_url, language_url = args.encode_url.rstrip("/"), args.language_url.rstrip("/")
             bootstrap_port = requests.get(f"{encode_url}/health", timeout=10).json()["bootstrap_port"]
         else:
+            from make_checkpoint import write_checkpoint
+
+            folder = args.model_path
+            if folder is None:
+                print("writing the seeded checkpoint ...", file=sys.stderr, flush=True)
+                folder = str(write_checkpoint(Path(tmp.name) / "seeded", 3584))
             print("starting encode and language workers ...", file=sys.stderr, flush=True)
             image_dirs = sorted({str(Path(p).parent) for _, paths in requests_set for p in paths})
-            enc = WorkerProcess("encode", "--encoder", args.encoder, *args.worker_arg,
+            enc = WorkerProcess("encode", "--model-path", folder, *args.worker_arg,
                                 *(arg for d in image_dirs for arg in ("--allowed-local-media-path", d)))
             started.append(enc)
-            lang = WorkerProcess("language", *args.worker_arg)
+            lang = WorkerProcess("language", "--hidden-size", str(embedding_width(folder)), *args.worker_arg)
             started.append(lang)
             print(enc.ready_line + lang.ready_line, end="", file=sys.stderr, flush=True)
             encode_url, language_url, bootstrap_port = enc.url, lang.url, enc.bootstrap_port

@@ -52,6 +52,9 @@ import setproctitle
 
 LAUNCHER = "sglang.launch_server"
 SHARED_ZYGOTE = "EPD_ZYGOTE_SOCKET"  # set by a process that shares its zygote with the ones it starts
+# In a worker's environment: a Python file whose install() the forked worker calls before it runs the
+# launcher (a test double putting itself in place: tests/fake_encoder.py)
+PRELOAD = "EPD_WORKER_PRELOAD"
 
 
 # ---- the parent's side ----------------------------------------------------------------------------
@@ -278,6 +281,8 @@ def _run_worker(request: dict) -> None:
         setproctitle.setproctitle(" ".join([sys.executable, "-m", LAUNCHER, *request["argv"]]))  # as ps shows a fresh one
         sys.path[:] = [request["cwd"], *_BASE_PATH]  # as `python -m` has it: the working folder first
         try:
+            if preload := request["env"].get(PRELOAD):
+                runpy.run_path(preload)["install"]()
             runpy.run_module(LAUNCHER, run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exc:

@@ -25,6 +25,16 @@ ROOT = Path(__file__).resolve().parent.parent
 LIVE: set[WorkerProcess] = set()  # started and not yet seen to exit, for dump_live_workers
 
 
+def embedding_width(folder: str) -> int:
+    """The width of the rows an encode worker on checkpoint ``folder`` sends: a transfer-only
+    receiver's ``--hidden-size`` for it."""
+    import argparse
+
+    from sglang_ext.args import embedding_width as width
+
+    return width(argparse.Namespace(hidden_size=None, model_path=folder))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,6 +43,8 @@ def free_port() -> int:
 
 SGLANG_READY = "The server is fired up and ready to roll!"  # what SGLang's server logs once it serves
 SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
+FAKE_ENCODER = ROOT / "tests" / "fake_encoder.py"  # SGLang's launcher with the tests' numpy encoder
+FAKE_LAUNCH = (sys.executable, str(FAKE_ENCODER))
 
 
 # Where tests and scripts run their encoders: a language worker may be sent to any of them by a
@@ -47,7 +59,8 @@ class WorkerProcess:
     def __init__(self, mode: str, *extra: str, command: tuple[str, ...] = SGLANG_LAUNCH,
                  timeout: float = 120.0, env: dict[str, str] | None = None, bootstrap_port: int | None = None,
                  port: int | None = None, trusted_media: bool = True, ready: str | None = None,
-                 host: str = "127.0.0.1", bind: str | None = None, netns: str | None = None) -> None:
+                 host: str = "127.0.0.1", bind: str | None = None, netns: str | None = None,
+                 fake_encoder: bool = False) -> None:
         """``command`` is what starts a worker: SGLang's launcher (``sglang serve`` works the same).
         It gets free ports (HTTP, and bootstrap for an encode worker) unless ``port`` and
         ``bootstrap_port`` name them (a restart). An encode worker reads images under the temp
@@ -57,7 +70,11 @@ class WorkerProcess:
         :data:`SGLANG_READY` for a language worker with ``--model-path`` (SGLang's own server).
         ``host``: the address it binds and peers reach it at; with ``bind`` (``0.0.0.0``) it binds
         that and advertises ``host`` (``--advertise-host``). ``netns``: run it in that network
-        namespace (a simulated host, ``hosts.py``)."""
+        namespace (a simulated host, ``hosts.py``). ``fake_encoder``: an encode worker running the tests'
+        numpy stand-in (``tests/fake_encoder.py``) instead of SGLang's encoder, without ``--model-path``."""
+        if fake_encoder:
+            command = FAKE_LAUNCH if command == SGLANG_LAUNCH else command
+            env = {**(env or {}), worker_zygote.PRELOAD: str(FAKE_ENCODER)}
         if ready is None:
             sglang_server = mode == "language" and "--model-path" in extra and "--transfer-only" not in extra
             ready = SGLANG_READY if sglang_server else "READY "
@@ -78,7 +95,7 @@ class WorkerProcess:
             # A file, not a pipe: nobody has to keep reading it for the worker to keep running.
             self.log_file = tempfile.NamedTemporaryFile("w+", prefix=f"{mode}-worker-", suffix=".log", delete=False)
             worker_env = {**os.environ, "MC_LOG_LEVEL": "ERROR", **(env or {})}
-            if os.environ.get("EPD_FORK_WORKERS") == "1" and tuple(command) == SGLANG_LAUNCH:
+            if os.environ.get("EPD_FORK_WORKERS") == "1" and tuple(command) in (SGLANG_LAUNCH, FAKE_LAUNCH):
                 self.proc = worker_zygote.spawn(args[len(launch):], worker_env, str(ROOT), self.log_file.name, netns)
             else:
                 self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log_file, stderr=subprocess.STDOUT, text=True,
@@ -185,7 +202,9 @@ class InProcessWorker:
     handlers. ``url`` is its address; the worker's Mooncake engine, pools and threads are the
     real ones. ``stop`` shuts it down in the order the process does (see ``serve``)."""
 
-    def __init__(self, mode: str, *extra: str, bootstrap_port: int | None = None) -> None:
+    def __init__(self, mode: str, *extra: str, bootstrap_port: int | None = None, encoder=None) -> None:  # noqa: ANN001
+        """``encoder``: what an encode worker runs instead of SGLang's encoder for ``--model-path``
+        (a test double: ``tests/fake_encoder.py``)."""
         from sglang_ext.launch_server import build, parse
 
         self.mode = mode
@@ -196,7 +215,7 @@ class InProcessWorker:
                      "--allowed-local-media-path", tempfile.gettempdir(), "--allow-private-media-urls"]
         else:
             args += LOOPBACK_ENCODERS
-        self.built = build(parse(args))
+        self.built = build(parse(args), encoder)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"in-process-{mode}-worker", daemon=True)
         self._thread.start()

@@ -26,7 +26,6 @@ from embedding_side.images import (
 )
 
 MODES = ("encode", "language")
-ENCODERS = ("sglang", "qwen", "fake")
 DEFAULT_MAX_IMAGES = 16  # per request, as an encoder takes per /encode
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 
@@ -85,9 +84,8 @@ def shared_flags(d: ConnectorConfig | None = None) -> tuple[SharedFlag, ...]:
             lambda urls: urls or None),
         SharedFlag("--port", dict(type=int, default=30000, help="HTTP port (default %(default)s)")),
         SharedFlag("--model-path", dict(default=None, help="checkpoint folder (config.json + safetensors): the "
-                                        "encoder's model, the language server's model. Without it an encode worker "
-                                        "runs transformers' Qwen2.5-VL tower with built-in seeded weights (or --encoder "
-                                        "fake, for tests) and a language worker is a transfer-only receiver")),
+                                        "encoder's model (required for an encode worker), the language server's model "
+                                        "(without it a language worker is a transfer-only receiver)")),
         SharedFlag("--disaggregation-bootstrap-port", dict(
             type=int, default=8998, help="encode side: port of the bootstrap server (default %(default)s)")),
         SharedFlag("--disaggregation-transfer-backend", dict(
@@ -134,10 +132,6 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                         "before it is read, or as soon as a streamed body passes it (default %(default)s = "
                         f"{DEFAULT_MAX_BODY_BYTES >> 20} MiB: a few large data: images)")
     g = parser.add_argument_group("embedding transfer")
-    g.add_argument("--encoder", choices=ENCODERS, default=None,
-                   help="encode side: sglang = SGLang's own encoder for --model-path (every family its --encoder-only "
-                        "serves; the default under python -m sglang.launch_server with --model-path), qwen = "
-                        "transformers' Qwen2.5-VL tower (the default otherwise), fake = numpy, for tests")
     g.add_argument("--hidden-size", type=int, default=None,
                    help=f"embedding width: the language model's hidden size, read from --model-path's config.json "
                         f"(else {d.hidden_size}); give it only to override")

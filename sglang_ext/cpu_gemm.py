@@ -10,9 +10,8 @@ copies; one with few rows (a decode step) keeps the bf16 kernel, since there con
 weight costs more than the product (16 rows x a 3584 x 18944 weight: 100 ms in bf16, 163 ms
 converted). On a GPU, or a CPU with bf16 arithmetic, nothing changes.
 
-Used around SGLang's unquantized linear layers (its language models and vision towers, through
-the plugin's hook) and on the linear and patch-embedding layers of the transformers tower our
-encode worker runs (:func:`use_float32_products`).
+Used around SGLang's unquantized linear layers (its language models and vision towers), through
+the plugin's hook.
 """
 
 from __future__ import annotations
@@ -53,28 +52,3 @@ def around_unquantized_linear(original, method, layer, x: torch.Tensor, bias: to
     if args or kwargs or not _wanted(x, layer.weight):
         return original(method, layer, x, bias, *args, **kwargs)
     return linear(x, layer.weight, bias)
-
-
-def use_float32_products(model: torch.nn.Module) -> None:
-    """Where :func:`slow_bf16`: every ``nn.Linear`` of ``model`` computes through :func:`linear`,
-    and so does every ``nn.Conv3d`` applied to inputs of exactly its kernel's size with a stride
-    of that size (a vision tower's patch embedding: one product per patch)."""
-    if not slow_bf16():
-        return
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.forward = functools.partial(_linear_forward, module)
-        elif isinstance(module, torch.nn.Conv3d) and tuple(module.stride) == tuple(module.kernel_size) and (
-                module.groups == 1 and not any(module.padding) and module.padding_mode == "zeros"):
-            module.forward = functools.partial(_patch_forward, module, module.forward)
-
-
-def _linear_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, module.weight, module.bias)
-
-
-def _patch_forward(module: torch.nn.Conv3d, conv, x: torch.Tensor) -> torch.Tensor:
-    if x.dim() != 5 or tuple(x.shape[2:]) != tuple(module.kernel_size):
-        return conv(x)
-    rows = linear(x.reshape(x.shape[0], -1), module.weight.reshape(module.out_channels, -1), module.bias)
-    return rows.view(x.shape[0], module.out_channels, 1, 1, 1)

@@ -41,9 +41,9 @@ class Built:
     describe: str
 
 
-def build(args: argparse.Namespace) -> Built:
+def build(args: argparse.Namespace, encoder=None) -> Built:  # noqa: ANN001 - a VisionEncoder
     """The worker ``args`` ask for and its app: what :func:`run` serves, and what the fast test
-    tier serves in-process."""
+    tier serves in-process (an encode worker around ``encoder`` when given: a test double)."""
     try:
         config = connector_config(args)
     except ValueError as exc:
@@ -53,7 +53,7 @@ def build(args: argparse.Namespace) -> Built:
         from embedding_side.images import MediaPolicy
         from embedding_side.worker import EncodeWorker
 
-        encoder = _encoder(args, config)
+        encoder = encoder or make_encoder(args, config)
         media = MediaPolicy.create(args.allowed_local_media_path or (), args.allowed_media_domains,
                                    allow_private=args.allow_private_media_urls, max_bytes=args.image_max_bytes,
                                    fetch_timeout=args.image_fetch_timeout, max_pixels=args.max_image_pixels,
@@ -82,18 +82,12 @@ def build(args: argparse.Namespace) -> Built:
                  f" zmq=tcp://{config.public_host}:{worker.receivers.rank_port} transfer-only")
 
 
-def _encoder(args: argparse.Namespace, config: ConnectorConfig):
-    """The encode worker's encoder: ``--encoder`` (the plugin picks SGLang's own when SGLang's
-    launcher started us with a checkpoint), else transformers' Qwen2.5-VL tower."""
-    from embedding_side.encoders import FakeEncoder, QwenVisionEncoder
-
-    kind = args.encoder or "qwen"
-    if kind == "fake":
-        return FakeEncoder(config.hidden_size)
-    if kind == "qwen":
-        return QwenVisionEncoder(args.model_path, device=args.device or "cpu")
+def make_encoder(args: argparse.Namespace, config: ConnectorConfig):
+    """The encode worker's encoder: SGLang's own, for ``--model-path``'s checkpoint (the plugin
+    parsed SGLang's flags for it when SGLang's launcher started us)."""
     if not args.model_path:
-        raise SystemExit("error: --encoder sglang needs --model-path (the checkpoint SGLang's encoder serves)")
+        raise SystemExit("error: an encode worker needs --model-path: the checkpoint whose encoder it runs "
+                         "(SGLang's encoder for that model)")
     from embedding_side.sglang_encoder import SGLangEncoder
     from sglang_ext.encoder_flags import standalone_server_args
 

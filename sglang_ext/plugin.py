@@ -130,7 +130,7 @@ def _after_add_cli_args(_result, parser: argparse.ArgumentParser, *args, **kwarg
 
 
 def _around_prepare_server_args(original, argv, *args, **kwargs):
-    if without_checkpoint(argv):  # the fake encoder or a transfer-only receiver: SGLang's parser needs a model
+    if without_checkpoint(argv):  # a transfer-only receiver (or an encode worker's missing-model error): SGLang's parser needs a model
         from sglang_ext.launch_server import parse, run
 
         run(parse(argv))
@@ -152,10 +152,9 @@ def _around_prepare_server_args(original, argv, *args, **kwargs):
         arm(ours)
         seeds.arm()
         return sglang_args
-    if ours.disaggregation_mode == "encode" and ours.model_path and ours.encoder in (None, "sglang"):
+    if ours.disaggregation_mode == "encode":
         from sglang_ext.encoder_flags import encoder_argv
 
-        ours.encoder = "sglang"
         ours.sglang_server_args = original(encoder_argv(argv), *args, **kwargs)  # SGLang's own encoder's
     from sglang_ext.launch_server import run
 
@@ -283,7 +282,7 @@ def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
 
 def without_checkpoint(argv: list[str]) -> bool:
     """True when ``argv`` asks for one of our modes without ``--model-path``: what SGLang's parser
-    refuses, and what only our workers serve (the fake encoder, a transfer-only receiver)."""
+    refuses, and what only our workers serve (a transfer-only receiver) or refuse with our message (an encode worker)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--disaggregation-mode")
     parser.add_argument("--encoder-only", action="store_true")

@@ -17,6 +17,7 @@ from image_cache import saved_image
 from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs
 from workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, start_together  # noqa: F401  (the modules import them here)
 
+ROOT = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 12
 PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -26,6 +27,39 @@ VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 # bounds, so its first resize keeps them and the reference needs no resize of its own.
 CLIPS = {"392x280x8": (392, 280, 8, 2), "448x252x120": (448, 252, 120, 30)}
 SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "3840x2160": (3840, 2160)}
+
+
+# Rows of each image through SGLang's encoder, saved as a safetensors file: run in a process of
+# its own, since SGLang's plugins are loaded once per process (and its parallel groups once too).
+ENCODE = """
+import argparse, sys
+from PIL import Image
+import torch
+from safetensors.torch import save_file
+from embedding_side.sglang_encoder import SGLangEncoder
+from sglang_ext.encoder_flags import standalone_server_args
+folder, out, *paths = sys.argv[1:]
+encoder = SGLangEncoder(standalone_server_args(argparse.Namespace(model_path=folder, host="127.0.0.1", device="cpu")))
+save_file({path: torch.from_numpy(encoder.encode([Image.open(path).convert("RGB")]).embeddings) for path in paths}, out)
+"""
+
+
+def encoded_rows(folder: str, paths: list[str], out: Path, plugins: bool = True) -> dict[str, torch.Tensor]:
+    """Each image's rows (bf16 bytes, uint8 ``[tokens, width * 2]``) through SGLang's encoder on
+    ``folder``, one image per forward pass, in a process of its own: with our plugin (as the encode
+    worker runs it) or with none (as upstream SGLang runs it)."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    env = {key: value for key, value in os.environ.items() if key != "SGLANG_PLUGINS"}
+    env |= {"PYTHONPATH": str(ROOT)} | ({} if plugins else {"SGLANG_PLUGINS": "none"})
+    done = subprocess.run([sys.executable, "-c", ENCODE, folder, str(out), *paths], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return load_file(out)
 
 
 def write_images(root: Path) -> dict[str, str]:
@@ -229,21 +263,20 @@ def text_reference(folder: str, model=None):
     None). Each answer is kept beside the checkpoint for the test session (every module and
     xdist worker computes a prompt, images and length once; see :class:`ReferenceCache`)."""
     from PIL import Image
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-
-    from embedding_side.encoders import QwenVisionEncoder
+    from transformers import AutoProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     cache = ReferenceCache(folder)
 
     @functools.cache
-    def loaded():  # noqa: ANN202 - the tower, the tokenizer and the model, at the first miss
-        return (QwenVisionEncoder(folder), AutoTokenizer.from_pretrained(folder),
+    def loaded():  # noqa: ANN202 - the image processor, the tokenizer and the model, at the first miss
+        return (AutoProcessor.from_pretrained(folder).image_processor, AutoTokenizer.from_pretrained(folder),
                 model or Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval())
 
     def compute(text: str, paths: list[str], new_tokens: int) -> Greedy:
-        encoder, tokenizer, reference_model = loaded()
+        image_processor, tokenizer, reference_model = loaded()
         pictures = [Image.open(p).convert("RGB") for p in paths]
-        return greedy_generate(reference_model, reference_inputs(encoder, tokenizer, text, pictures), new_tokens)
+        return greedy_generate(reference_model, reference_inputs(image_processor, tokenizer, text, pictures),
+                               new_tokens)
 
     def greedy(text: str, paths: list[str], new_tokens: int = NEW_TOKENS) -> Greedy:
         return cache.get(text, paths, new_tokens, lambda: compute(text, paths, new_tokens))

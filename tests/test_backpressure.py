@@ -1,4 +1,4 @@
-"""Backpressure and cancellation between real worker processes (fake encoder for speed).
+"""Backpressure and cancellation between real worker processes (SGLang's encoder).
 
 Over a bound (queue length, staging memory, queue wait) a request gets 503 with
 ``Retry-After`` at once, and the other side drops the room too; a client that goes away
@@ -20,8 +20,12 @@ from transfer_large_image import make_image
 
 pytestmark = pytest.mark.load
 
-FAKE = ("--encoder", "fake")
 ONE_ALLOCATION = ("--embedding-cache-buffer-size", "64")  # one default allocation (8192 tokens) at a time
+
+
+@pytest.fixture(scope="module")
+def model(seeded_checkpoint) -> str:
+    return seeded_checkpoint(3584)
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +84,8 @@ def abandoned(future: Future) -> None:
         future.result()
 
 
-def test_an_encoder_over_its_queue_bound_refuses_at_once_and_the_language_side_learns_why(image, calls) -> None:
-    with Pair(*FAKE, encode_args=("--max-queued-requests", "2")) as pair:
+def test_an_encoder_over_its_queue_bound_refuses_at_once_and_the_language_side_learns_why(image, calls, model) -> None:
+    with Pair(model_path=model, encode_args=("--max-queued-requests", "2")) as pair:
         waiting = [calls.submit(encode, pair, f"q{room}", room, [image]) for room in (1, 2)]  # no /generate yet
         wait_for(lambda: health(pair.encode.url)["pending"] == 2, 15, "two encodes waiting for their language peer")
         refused, seconds = timed(lambda: encode(pair, "q3", 3, [image]))
@@ -102,11 +106,11 @@ def test_an_encoder_over_its_queue_bound_refuses_at_once_and_the_language_side_l
         assert_pools_free(pair)
 
 
-def test_staging_memory_bounds_embeddings_nobody_asked_for_but_never_one_that_was(image, calls) -> None:
+def test_staging_memory_bounds_embeddings_nobody_asked_for_but_never_one_that_was(image, calls, model) -> None:
     # The encode pool holds one 1024x768 embedding (999 tokens, 8 blocks); 1 MiB of staging
     # holds less than one (7 MB). Room 1 borrows the pool, room 2 goes alone into the empty
     # budget, room 3 waits for it, for 1.5 s at most.
-    with Pair(*FAKE, encode_args=("--embedding-cache-buffer-size", "8", "--staging-bytes", str(1 << 20),
+    with Pair(model_path=model, encode_args=("--embedding-cache-buffer-size", "8", "--staging-bytes", str(1 << 20),
                                   "--queue-timeout", "1.5")) as pair:
         staged = [calls.submit(encode, pair, "s1", 1, [image])]
         wait_for(lambda: health(pair.encode.url)["free_blocks"] == 0, 15, "room 1 in the pool")
@@ -127,8 +131,8 @@ def test_staging_memory_bounds_embeddings_nobody_asked_for_but_never_one_that_wa
         assert_pools_free(pair)
 
 
-def test_the_language_queue_is_bounded_in_length_and_in_time(image, calls) -> None:
-    with Pair(*FAKE, language_args=(*ONE_ALLOCATION, "--max-queued-requests", "2", "--queue-timeout", "2")) as pair:
+def test_the_language_queue_is_bounded_in_length_and_in_time(image, calls, model) -> None:
+    with Pair(model_path=model, language_args=(*ONE_ALLOCATION, "--max-queued-requests", "2", "--queue-timeout", "2")) as pair:
         holder = calls.submit(generate, pair, "l1", 1)  # holds the whole pool, waiting for its encode
         wait_for(lambda: health(pair.language.url)["transferring"] == 1, 15, "room 1's init")
         queued = [calls.submit(timed, lambda room=room: generate(pair, f"l{room}", room)) for room in (2, 3)]
@@ -149,8 +153,8 @@ def test_the_language_queue_is_bounded_in_length_and_in_time(image, calls) -> No
 
 
 @pytest.mark.unanswered_ok("the client goes away: its 1 s timeout is the point")
-def test_a_generate_client_that_goes_away_ends_the_rooms_encode(image, calls) -> None:
-    with Pair(*FAKE, language_args=ONE_ALLOCATION) as pair:
+def test_a_generate_client_that_goes_away_ends_the_rooms_encode(image, calls, model) -> None:
+    with Pair(model_path=model, language_args=ONE_ALLOCATION) as pair:
         holder = calls.submit(generate, pair, "c1", 1)
         wait_for(lambda: health(pair.language.url)["transferring"] == 1, 15, "room 1's init")
         encoding = calls.submit(timed, lambda: encode(pair, "c2", 2, [image]))
@@ -168,8 +172,8 @@ def test_a_generate_client_that_goes_away_ends_the_rooms_encode(image, calls) ->
 
 
 @pytest.mark.unanswered_ok("the client goes away: its 1 s timeout is the point")
-def test_an_encode_client_that_goes_away_fails_the_room_for_its_language_peer(image, calls, silent_port) -> None:
-    with Pair(*FAKE) as pair:
+def test_an_encode_client_that_goes_away_fails_the_room_for_its_language_peer(image, calls, model, silent_port) -> None:
+    with Pair(model_path=model) as pair:
         waiting = calls.submit(timed, lambda: generate(pair, "e1", 1))
         wait_for(lambda: health(pair.language.url)["transferring"] == 1, 15, "room 1's init")
         # Its image comes from a server that never answers; the client gives up after 1 s.
@@ -188,8 +192,8 @@ def test_an_encode_client_that_goes_away_fails_the_room_for_its_language_peer(im
         assert_pools_free(pair)
 
 
-def test_abort_request_before_the_encode_arrives_means_no_work_for_the_room(image, calls) -> None:
-    with Pair(*FAKE) as pair:
+def test_abort_request_before_the_encode_arrives_means_no_work_for_the_room(image, calls, model) -> None:
+    with Pair(model_path=model) as pair:
         assert pair.request([image])["match"]  # the encoder's route is known from here on
         waiting = calls.submit(generate, pair, "a1", 1)
         wait_for(lambda: health(pair.language.url)["transferring"] == 1, 15, "room 1's init")
@@ -206,8 +210,8 @@ def test_abort_request_before_the_encode_arrives_means_no_work_for_the_room(imag
         assert_pools_free(pair)
 
 
-def test_a_peer_that_never_answers_its_route_lookup_holds_up_nobody_else(image, calls, silent_port) -> None:
-    with Pair(*FAKE) as pair:
+def test_a_peer_that_never_answers_its_route_lookup_holds_up_nobody_else(image, calls, model, silent_port) -> None:
+    with Pair(model_path=model) as pair:
         stuck = calls.submit(generate, pair, "h1", 1, port=silent_port)
         wait_for(lambda: health(pair.language.url)["resolving"] == 1, 15, "the lookup under way")
         start = time.monotonic()

@@ -44,8 +44,9 @@ def test_bench_transfer_runs_and_prints_its_ratio() -> None:
     assert float(bounds[1]) <= float(ratio[1]) <= float(bounds[2])
 
 
-def test_bench_load_prints_a_row_per_level_and_the_completed_line(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_load.py"), "--concurrency", "2,8", "--min-requests", "8",
+def test_bench_load_prints_a_row_per_level_and_the_completed_line(tmp_path: Path, seeded_checkpoint) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_load.py"), "--model-path", seeded_checkpoint(3584),
+                          "--concurrency", "2,8", "--min-requests", "8",
                           "--sizes", "448x448,1024x768", "--small-pool", "16", "--json", str(tmp_path / "l.json")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -59,9 +60,7 @@ def test_bench_load_prints_a_row_per_level_and_the_completed_line(tmp_path: Path
 @pytest.mark.sglang
 def test_bench_generate_quick_prints_the_ttft_split_and_the_ratio_against_sglangs_monolithic_server(
         tmp_path: Path, small_model: list[str]) -> None:
-    # transformers' tower in the encode worker (it starts in seconds; SGLang's encoder is the
-    # benchmark's default and is tested in test_sglang_encoder)
-    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_generate.py"), *small_model, "--quick", "--encoder", "qwen", "--json",
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_generate.py"), *small_model, "--quick", "--json",
                           str(tmp_path / "g.json"), "--plot", str(tmp_path / "g.png")],
                          capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

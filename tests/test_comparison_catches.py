@@ -86,13 +86,9 @@ def test_qwen2_5_vl_comparison_catches_wrong_embeddings(seeded_checkpoint, image
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).eval()
     processor, tokenizer = AutoProcessor.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
 
-    class Pixels:  # what reference_inputs reads of an encoder: its image processor
-        def __init__(self) -> None:
-            self.processor = processor.image_processor
-
     def inputs(names: list[str]) -> dict:
         pictures = [Image.open(images[name]).convert("RGB") for name in names]
-        return reference_inputs(Pixels(), tokenizer, prompt(len(names)), pictures)
+        return reference_inputs(processor.image_processor, tokenizer, prompt(len(names)), pictures)
 
     def greedy(batch: dict) -> Greedy:
         return greedy_generate(model, batch, NEW_TOKENS)

@@ -1,8 +1,7 @@
 """sglang_ext/cpu_gemm.py: bf16 products with many rows computed on float32 copies (what a CPU
 without bf16 arithmetic runs 6-9x faster), few rows on the bf16 kernel; against PyTorch's own
-bf16 kernel and float32 products, and on transformers' Qwen2.5-VL tower as our encoder builds it.
-(That SGLang's linear layers go through it in a process with the plugin: test_sglang_plugin;
-greedy ids through whole servers against transformers: test_sglang_language and others.)"""
+bf16 kernel and float32 products. (That SGLang's linear layers go through it in a process with the
+plugin: test_sglang_plugin; greedy ids through whole servers against transformers: test_sglang_language and others.)"""
 
 from __future__ import annotations
 
@@ -58,29 +57,3 @@ def test_sglangs_linear_method_goes_through_it_and_keeps_its_own_path_otherwise(
                        cpu_gemm.linear(x, weight, bias))
     assert torch.equal(cpu_gemm.around_unquantized_linear(upstream, method, layer, x[:8], bias),
                        upstream(method, layer, x[:8], bias))
-
-
-def test_our_encoders_tower_computes_its_products_in_float32_within_a_step_of_transformers(monkeypatch) -> None:
-    """transformers' tower as the encode worker builds it: the patch embedding (a Conv3d whose
-    stride is its kernel) and every Linear go through :func:`cpu_gemm.linear`; the tower's
-    output stays within a few bf16 steps of transformers' own bf16 kernels."""
-    from transfer_large_image import make_image
-
-    from embedding_side.encoders import QwenVisionEncoder
-
-    monkeypatch.setattr(cpu_gemm, "slow_bf16", lambda: True)  # what a machine with bf16 arithmetic skips
-    fast = QwenVisionEncoder()
-    monkeypatch.setattr(cpu_gemm, "slow_bf16", lambda: False)
-    plain = QwenVisionEncoder()
-    proj = fast.model.patch_embed.proj
-    patches = torch.randn(300, 3, 2, 14, 14, generator=torch.Generator().manual_seed(1)).bfloat16()
-    expected = F.conv3d(patches.float(), proj.weight.float()).bfloat16()
-    assert torch.equal(proj(patches), expected)
-    larger = torch.randn(1, 3, 2, 28, 28).bfloat16()  # not one patch: the convolution itself
-    assert torch.equal(proj(larger), F.conv3d(larger, proj.weight, stride=proj.stride))
-
-    picture = make_image(448, 336, seed=4)
-    ours, theirs = (torch.from_numpy(e.encode([picture]).embeddings).view(torch.bfloat16).float() for e in (fast, plain))
-    assert ours.shape == theirs.shape == (192, 3584)
-    assert not torch.equal(ours, theirs)  # another rounding path...
-    assert (ours - theirs).abs().max() <= 4 * 2.0 ** -7 * theirs.abs().max()  # ...a few bf16 steps apart at most

@@ -1,4 +1,4 @@
-"""Image loading, the encoders and M-RoPE positions, in-process."""
+"""Image loading and M-RoPE positions, in-process."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import pytest
 from PIL import Image
 from transfer_large_image import make_image
 
-from embedding_side.encoders import FakeEncoder, QwenVisionEncoder, grid_for, smart_resize
 from embedding_side.images import ImageInputError, MediaPolicy, load_image
 from embedding_side.positions import IMAGE_PAD_ID, image_positions
 
@@ -103,57 +102,6 @@ def test_limits_on_size_and_format(tmp_path: Path, image_server: str) -> None:
     make_image(8, 8, 0).save(gif, "GIF")
     with pytest.raises(ImageInputError, match="format GIF not supported"):
         load_image(str(gif), TRUSTED)
-
-
-def test_token_counts_follow_the_hub_processor_settings() -> None:
-    counts = {(w, h): int(np.prod(grid_for(Image.new("RGB", (w, h))))) // 4
-              for w, h in [(448, 448), (1024, 1024), (2048, 2048), (3840, 2160), (100, 100), (20, 2000)]}
-    assert counts == {(448, 448): 256, (1024, 1024): 1369, (2048, 2048): 5329, (3840, 2160): 10549,
-                      (100, 100): 16, (20, 2000): 71}
-    with pytest.raises(ValueError, match="aspect ratio"):
-        smart_resize(10, 2500)
-
-
-@pytest.fixture(scope="module")
-def qwen() -> QwenVisionEncoder:
-    return QwenVisionEncoder()
-
-
-def test_fake_and_real_encoders_agree_on_counts_and_shapes(qwen: QwenVisionEncoder) -> None:
-    fake = FakeEncoder()
-    for sizes in ([(448, 448)], [(1000, 300)], [(640, 480), (200, 900)], [(3840, 2160)]):
-        images = [make_image(w, h, 0) for w, h in sizes]
-        real, approx = qwen.encode(images), fake.encode(images)
-        assert real.grid_thw == approx.grid_thw
-        assert real.embeddings.shape == approx.embeddings.shape
-        assert real.embeddings.shape[1] == 3584 * 2
-
-
-def test_encoders_are_deterministic_and_content_dependent(qwen: QwenVisionEncoder) -> None:
-    a, b = make_image(448, 448, 1), make_image(448, 448, 2)
-    for enc in (qwen, FakeEncoder()):
-        assert np.array_equal(enc.encode([a]).embeddings, enc.encode([a]).embeddings)
-        assert not np.array_equal(enc.encode([a]).embeddings, enc.encode([b]).embeddings)
-    assert np.array_equal(QwenVisionEncoder().encode([a]).embeddings, qwen.encode([a]).embeddings)
-
-
-def test_model_path_loads_a_checkpoints_vision_tower(tmp_path: Path, qwen: QwenVisionEncoder) -> None:
-    import json
-
-    from safetensors.torch import save_file
-
-    from embedding_side.encoders import small_tower_config
-
-    state = {f"visual.{k}": v.contiguous() for k, v in qwen.model.state_dict().items()}
-    state["lm_head.weight"] = state["visual.merger.mlp.0.bias"].clone()  # not vision: ignored
-    save_file(state, tmp_path / "model.safetensors")
-    cfg = small_tower_config()
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": cfg.pop("out_hidden_size"), "vision_config": cfg}))
-    loaded = QwenVisionEncoder(str(tmp_path), seed=123)  # another seed: weights must come from the file
-    img = make_image(448, 448, 3)
-    assert np.array_equal(loaded.encode([img]).embeddings, qwen.encode([img]).embeddings)
-    with pytest.raises(ValueError, match="no config.json"):
-        QwenVisionEncoder(str(tmp_path / "nowhere"))
 
 
 def test_mrope_positions_of_two_images() -> None:

@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from connector_peer import synthetic_embedding
+from fake_encoder import FakeEncoder
 from test_early_resume import GatedTransport
 from test_faults import wait_for
 from transfer_large_image import make_image
@@ -22,7 +23,7 @@ from connector.messages import AbortMsg, InitMsg, StatusMsg
 from connector.poll import KVPoll
 from connector.sender import EmbeddingSenderManager
 from connector.staging import ByteBudget
-from embedding_side.encoders import FakeEncoder, decode_bytes
+from embedding_side.encoders import decode_bytes
 from embedding_side.images import MediaPolicy, open_image
 from embedding_side.worker import EncodeWorker
 from worker_infra.sleep import WorkerState
@@ -236,22 +237,29 @@ class GatedEncoder(FakeEncoder):
         return super().encode(images)
 
 
-def test_decoding_waits_for_its_memory_in_arrival_order_and_never_exceeds_the_budget(raw_language, raw_pool,
-                                                                                     tmp_path) -> None:
+def decoding_one_at_a_time(raw, raw_pool, tmp_path) -> tuple[EncodeWorker, str, int]:  # noqa: ANN001
+    """An encode worker on the gated fake whose decode memory takes one 896x896 image at a time,
+    rooms 1 and 2 inited by ``raw``; the worker, the image and the decode bytes it takes."""
     transport, pool = raw_pool
-    raw = raw_language
     raw.session = transport.session_id
     image = str(tmp_path / "img.png")
     make_image(896, 896, seed=4).save(image)
-    one = decode_bytes(open_image(image, MediaPolicy.create([str(tmp_path)])))
+    one = decode_bytes(open_image(image, MediaPolicy.create([str(tmp_path)])), FakeEncoder(8).resize)
     media = MediaPolicy.create([str(tmp_path)], decode_bytes=one * 3 // 2)  # room for one request at a time
     worker = EncodeWorker(ConnectorConfig(num_blocks=100), GatedEncoder(), free_port(), media)
+    raw.connect(worker.sender.rank_port)
+    raw.register(pool)
+    for room in (1, 2):
+        raw.send(InitMsg(room, "127.0.0.1", raw.port, raw.session, tuple(range(8 * room - 8, 8 * room)), 1, 1024))
+        wait_for(lambda r=room: worker.sender.asked_for(r), 5, "the init")
+    return worker, image, one
+
+
+def test_decoding_waits_for_its_memory_in_arrival_order_and_never_exceeds_the_budget(raw_language, raw_pool,
+                                                                                     tmp_path) -> None:
+    raw = raw_language
+    worker, image, one = decoding_one_at_a_time(raw, raw_pool, tmp_path)
     try:
-        raw.connect(worker.sender.rank_port)
-        raw.register(pool)
-        for room in (1, 2):
-            raw.send(InitMsg(room, "127.0.0.1", raw.port, raw.session, tuple(range(8 * room - 8, 8 * room)), 1, 1024))
-            wait_for(lambda r=room: worker.sender.asked_for(r), 5, "the init")
 
         async def both() -> list:
             return await asyncio.gather(*(worker.encode(f"rid{room}", room, [image], wait_for_delivery=False)
@@ -271,6 +279,31 @@ def test_decoding_waits_for_its_memory_in_arrival_order_and_never_exceeds_the_bu
         statuses = [raw.expect(), raw.expect()]
         assert sorted((m.room, m.status) for m in statuses) == [(1, KVPoll.Success), (2, KVPoll.Success)]
     finally:
+        worker.close()
+
+
+def test_a_room_failed_while_it_waits_for_decode_memory_answers_at_once(raw_language, raw_pool, tmp_path) -> None:
+    """The second of two requests waits for decode memory the first holds (its pass held by the
+    gate); its language peer aborts it: its client gets the abort at once, not once the first's
+    pass ends or the queue timeout passes, and its place in the queue goes."""
+    raw = raw_language
+    worker, image, _ = decoding_one_at_a_time(raw, raw_pool, tmp_path)
+    try:
+        with ThreadPoolExecutor(2) as runner:
+            first = runner.submit(asyncio.run, worker.encode("rid1", 1, [image], wait_for_delivery=False))
+            wait_for(lambda: worker._computing == 1, 10, "the first forward pass")
+            second = runner.submit(asyncio.run, worker.encode("rid2", 2, [image], wait_for_delivery=False))
+            wait_for(lambda: worker._queues()["decode_waiting"] == 1, 10, "the second request to wait")
+            raw.send(AbortMsg(2, "127.0.0.1", raw.port, raw.generation))
+            with pytest.raises(TransferFailure) as err:
+                second.result(timeout=5)  # the first's pass is still held
+            assert err.value.kind == FailureKind.ABORTED, err.value
+            assert worker._queues()["decode_waiting"] == 0
+            worker.encoder.go.set()
+            assert first.result(timeout=30)["num_tokens"] == 1024
+        wait_for(lambda: worker._queues()["decode_bytes"] == 0, 10, "the decode memory")
+    finally:
+        worker.encoder.go.set()
         worker.close()
 
 

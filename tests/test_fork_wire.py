@@ -180,7 +180,7 @@ def test_abort_with_a_fork_encoder_sends_nothing_and_frees_blocks_at_its_status(
 def test_a_refused_fork_init_fails_the_rooms_encode_request_at_once(fork_language) -> None:
     """The init (block size 64 against our 128) comes before the encode request: the request
     fails with the reason instead of encoding for a room nobody can receive."""
-    encode = WorkerProcess("encode", "--encoder", "fake")
+    encode = WorkerProcess("encode", fake_encoder=True)
     try:
         lang = fork_language(block_size=64)
         room = lang.start(5, lang.lookup(f"127.0.0.1:{encode.bootstrap_port}", 5))

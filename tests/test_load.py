@@ -1,5 +1,5 @@
 """Under load nothing deadlocks: many concurrent request pairs of mixed sizes, in random order,
-against pools far smaller than the work (real worker processes, fake encoder for speed)."""
+against pools far smaller than the work (real worker processes, SGLang's encoder)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,13 @@ def run_pairs(pair: Pair, images: dict, count: int, seed: int, timeout: float = 
 
 
 @pytest.fixture(scope="module")
-def small_language_pool():
-    pair = Pair("--encoder", "fake", language_args=("--embedding-cache-buffer-size", "96"))
+def model(seeded_checkpoint) -> str:
+    return seeded_checkpoint(3584)
+
+
+@pytest.fixture(scope="module")
+def small_language_pool(model):
+    pair = Pair(model_path=model, language_args=("--embedding-cache-buffer-size", "96"))
     yield pair
     pair.stop()
 
@@ -58,9 +63,9 @@ def test_48_concurrent_pairs_against_a_96_block_language_pool_all_complete(small
     assert_pools_free(small_language_pool)
 
 
-def test_an_encoder_pool_smaller_than_one_4k_image_refuses_it_at_once_and_serves_the_rest(mixed_images) -> None:
+def test_an_encoder_pool_smaller_than_one_4k_image_refuses_it_at_once_and_serves_the_rest(mixed_images, model) -> None:
     # 64 encoder blocks hold 8192 tokens; a 4K image needs 83 blocks (10,549 tokens).
-    pair = Pair("--encoder", "fake", encode_args=("--embedding-cache-buffer-size", "64"),
+    pair = Pair(model_path=model, encode_args=("--embedding-cache-buffer-size", "64"),
                 language_args=("--embedding-cache-buffer-size", "96"))
     try:
         results = run_pairs(pair, mixed_images, 48, seed=64)

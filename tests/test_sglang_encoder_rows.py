@@ -8,9 +8,6 @@ else does."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,25 +15,10 @@ import pytest
 import torch
 from monolithic import rows_mismatch
 from PIL import Image
+from sglang_stack import encoded_rows
 from transfer_large_image import make_image
 
 pytestmark = pytest.mark.sglang
-
-ROOT = Path(__file__).resolve().parent.parent
-
-# Rows of each image through SGLang's encoder, saved as a safetensors file: run in a process of
-# its own, since SGLang's plugins are loaded once per process.
-ENCODE = """
-import argparse, sys
-from PIL import Image
-import torch
-from safetensors.torch import save_file
-from embedding_side.sglang_encoder import SGLangEncoder
-from sglang_ext.encoder_flags import standalone_server_args
-folder, out, *paths = sys.argv[1:]
-encoder = SGLangEncoder(standalone_server_args(argparse.Namespace(model_path=folder, host="127.0.0.1", device="cpu")))
-save_file({path: torch.from_numpy(encoder.encode([Image.open(path).convert("RGB")]).embeddings) for path in paths}, out)
-"""
 
 
 def images(root: Path) -> list[str]:
@@ -51,19 +33,6 @@ def images(root: Path) -> list[str]:
         Image.fromarray(noise.integers(0, 255, (448, 448, 3)).astype(np.uint8)).save(root / f"noise{i}.png")
         paths.append(str(root / f"noise{i}.png"))
     return paths
-
-
-def encoded_rows(folder: str, paths: list[str], out: Path, plugins: bool) -> dict:
-    """Each image's rows through SGLang's encoder in a process of its own (SGLang's plugins load
-    once per process, and its parallel groups once too), with our plugin or with none."""
-    from safetensors.torch import load_file
-
-    env = {key: value for key, value in os.environ.items() if key != "SGLANG_PLUGINS"}
-    env |= {"PYTHONPATH": str(ROOT)} | ({} if plugins else {"SGLANG_PLUGINS": "none"})
-    done = subprocess.run([sys.executable, "-c", ENCODE, folder, str(out), *paths], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return load_file(out)
 
 
 def test_rows_are_upstreams_within_one_bf16_step(seeded_checkpoint, tmp_path) -> None:

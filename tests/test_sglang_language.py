@@ -645,13 +645,15 @@ def test_sleep_and_wake_mid_decode_lose_no_token(workers, images, reference) -> 
 def test_a_level_2_sleep_retracts_and_every_token_still_comes(workers, images) -> None:
     """Level 2: SGLang retracts the running stream (its KV freed) and releases its memory
     occupation; after the wake-up it recomputes the KV by a prefill (where the run without a sleep
-    decoded step by step) and the stream ends with exactly the ids of that run."""
+    decoded step by step) and the stream ends with exactly the ids of that run. The recomputation
+    rounds otherwise: the chosen tokens' log-probabilities after the wake-up move, by far less
+    than the checkpoint's smallest lead (0.1 nats, tests/test_checkpoint_margins.py)."""
     _, language = workers
     new_tokens = 160
-    awake = generate(language, [images["448x448"]], "no-sleep-l2",
+    awake = generate(language, [images["448x448"]], "no-sleep-l2", return_logprob=True,
                      sampling_params={"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}).json()
     answer = requests.post(f"{language.url}/generate", stream=True, timeout=240, json={
-        "rid": "sleep-l2", "text": prompt(1), "image_data": images["448x448"], "stream": True,
+        "rid": "sleep-l2", "text": prompt(1), "image_data": images["448x448"], "stream": True, "return_logprob": True,
         "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}})
     chunks: list[dict] = []
     lines = answer.iter_lines()
@@ -673,6 +675,14 @@ def test_a_level_2_sleep_retracts_and_every_token_still_comes(workers, images) -
     ids = final["output_ids"] if len(final["output_ids"]) == new_tokens else [t for c in chunks for t in c["output_ids"]]
     assert len(ids) == new_tokens and ids[:len(before)] == awake["output_ids"][:len(before)]
     assert ids == awake["output_ids"]
+    logprobs = final["meta_info"]["output_token_logprobs"]
+    if len(logprobs) != new_tokens:
+        logprobs = [entry for c in chunks for entry in c["meta_info"]["output_token_logprobs"]]
+    moved = [abs(ours[0] - theirs[0]) for ours, theirs in zip(logprobs, awake["meta_info"]["output_token_logprobs"],
+                                                             strict=True)]
+    print(f"\nlevel-2 recompute: chosen log-probabilities moved by at most {max(moved):.4f} nats "
+          f"({sum(m > 0 for m in moved)} of {new_tokens} steps moved)")
+    assert max(moved) < 0.02, max(moved)
 
 
 def test_abort_reaches_a_request_waiting_for_its_embedding(workers, images) -> None:

@@ -89,9 +89,9 @@ def parsed(checkpoint) -> dict[str, Parsed]:
     """Every command line the tests below parse, through SGLang with the plugin, in one process."""
     cases = {f"dispatch-{mode}": ("--disaggregation-mode", mode, *DISPATCH_FLAGS) for mode in ("encode", "language")}
     cases |= {"encoder-only": ("--model-path", checkpoint, "--encoder-only", "--port", "31240"),
-              "fake-encoder": ("--disaggregation-mode", "encode", "--encoder", "fake", "--port", "31242"),
+              "encode-without-model": ("--disaggregation-mode", "encode", "--port", "31242"),
               "receiver": ("--language-only", "--hidden-size", "1024", "--checkpoint-dir", "/srv/ckpt"),
-              "sglang-flag-without-model": ("--disaggregation-mode", "encode", "--encoder", "fake", "--enable-metrics"),
+              "sglang-flag-without-model": ("--disaggregation-mode", "encode", "--enable-metrics"),
               "nixl": ("--model-path", "/m", "--disaggregation-mode", "encode", "--disaggregation-transfer-backend",
                        "nixl"),
               "bogus": ("--model-path", "/m", "--disaggregation-mode", "bogus")}
@@ -151,11 +151,11 @@ def test_upstream_epd_flags_are_aliases_of_our_modes(parsed) -> None:
 
 
 def test_workers_without_a_checkpoint_start_through_sglangs_launcher_on_our_flags(parsed) -> None:
-    """The fake encoder and the transfer-only receiver need no model: SGLang's parser (which
-    requires one) is not asked; our parser takes every flag, and refuses one only SGLang's server has."""
-    fake = line(parsed["fake-encoder"].stdout, "WORKER")
-    assert (fake["disaggregation_mode"], fake["encoder"], fake["port"], fake["model_path"]) == ("encode", "fake", 31242,
-                                                                                                None)
+    """The transfer-only receiver needs no model, and an encode worker without one is refused by our
+    own launcher (test_workers): SGLang's parser (which requires one) is not asked; our parser takes
+    every flag, and refuses one only SGLang's server has."""
+    encode = line(parsed["encode-without-model"].stdout, "WORKER")
+    assert (encode["disaggregation_mode"], encode["port"], encode["model_path"]) == ("encode", 31242, None)
     receiver = line(parsed["receiver"].stdout, "WORKER")
     assert (receiver["disaggregation_mode"], receiver["hidden_size"], receiver["checkpoint_dir"]) == (
         "language", 1024, "/srv/ckpt")

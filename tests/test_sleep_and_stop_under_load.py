@@ -1,6 +1,6 @@
 """An encoder that falls asleep, and either worker stopped with SIGTERM, while request pairs
 are in flight: every request ends at once (result or clear error) on both sides, every block
-comes back, and a worker restarted on the same ports serves at once."""
+comes back, and a worker restarted on the same ports serves at once. SGLang's encoder."""
 
 from __future__ import annotations
 
@@ -17,8 +17,13 @@ from workers import WorkerProcess
 
 pytestmark = pytest.mark.load
 
-FAST_HEARTBEAT = ("--encoder", "fake", "--heartbeat-interval", "0.5", "--heartbeat-max-failure", "2")
+FAST_HEARTBEAT = ("--heartbeat-interval", "0.5", "--heartbeat-max-failure", "2")
 SIZES = [(3840, 2160), (1920, 1080), (1024, 768), (2048, 2048)]
+
+
+@pytest.fixture(scope="module")
+def model(seeded_checkpoint) -> str:
+    return seeded_checkpoint(3584)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +48,8 @@ def start_pairs(pair: Pair, paths: list[str], pool: ThreadPoolExecutor, count: i
     return futures
 
 
-def test_an_encoder_falling_asleep_with_8_pairs_in_flight_leaves_no_language_room_hanging(paths) -> None:
-    pair = Pair("--encoder", "fake")
+def test_an_encoder_falling_asleep_with_8_pairs_in_flight_leaves_no_language_room_hanging(paths, model) -> None:
+    pair = Pair(model_path=model)
     try:
         with ThreadPoolExecutor(8) as pool:
             futures = start_pairs(pair, paths, pool, 8, seed=8)
@@ -83,8 +88,8 @@ def aborted_after_delivery(encode: WorkerProcess, room: int, timeout: float = 5.
 
 
 @pytest.mark.parametrize("side", ["encode", "language"])
-def test_sigterm_under_load_ends_every_request_and_frees_the_ports(paths, side: str) -> None:
-    pair = Pair(*FAST_HEARTBEAT)
+def test_sigterm_under_load_ends_every_request_and_frees_the_ports(paths, model, side: str) -> None:
+    pair = Pair(*FAST_HEARTBEAT, model_path=model)
     try:
         with ThreadPoolExecutor(9) as pool:  # a thread for each call: none waits for one
             # A request whose other half never comes: it is surely in flight at the signal.
@@ -122,8 +127,8 @@ def test_sigterm_under_load_ends_every_request_and_frees_the_ports(paths, side: 
             assert r[f"{other}_done_at"] - signalled < 6, r
         assert idle_result.status_code == 503 and idle_result.headers["Retry-After"] == "5"
         assert f"the {side} worker is shutting down" in idle_result.json()["error"]
-        restarted = WorkerProcess(worker.mode, *FAST_HEARTBEAT, port=worker.port,
-                                  bootstrap_port=worker.bootstrap_port)
+        restarted = WorkerProcess(worker.mode, *FAST_HEARTBEAT, *(("--model-path", model) if side == "encode" else ()),
+                                  port=worker.port, bootstrap_port=worker.bootstrap_port)
         if side == "language":
             pair.language = restarted
         else:

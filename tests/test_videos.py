@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import requests
+from fake_encoder import FakeEncoder
 from sglang_stack import write_clips
 from workers import InProcessWorker
 
@@ -93,7 +94,7 @@ def test_containers_are_told_by_their_first_bytes() -> None:
 
 
 def test_an_encoder_of_images_only_refuses_a_video(clips) -> None:
-    worker = InProcessWorker("encode", "--encoder", "fake")
+    worker = InProcessWorker("encode", encoder=FakeEncoder())
     try:
         health = requests.get(f"{worker.url}/health", timeout=10).json()
         assert health["modalities"] == ["image"]

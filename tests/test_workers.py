@@ -1,8 +1,10 @@
-"""Encode and language workers as real processes over HTTP on loopback, real Mooncake, real encoder."""
+"""Encode and language workers as real processes over HTTP on loopback, real Mooncake, SGLang's encoder
+(the numpy test double beside it where a test only needs rows, in-process)."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import os
@@ -19,24 +21,29 @@ from pathlib import Path
 
 import pytest
 import requests
+from fake_encoder import FakeEncoder
 from image_cache import saved_image
 from PIL import Image
+from sglang_stack import encoded_rows
 from test_faults import wait_for
 from transfer_large_image import make_image, run_request
-from workers import InProcessWorker, WorkerProcess, start_together
+from workers import InProcessWorker, WorkerProcess, embedding_width, start_together
 
 from connector.poll import KVPoll
 from connector.receiver import EmbeddingReceiver
-from embedding_side.encoders import QwenVisionEncoder
-from embedding_side.images import MediaPolicy, load_image
-
-TRUSTED_MEDIA = MediaPolicy.create(["/"])  # for the tests' own reference encodings
 
 
 class Pair:
-    def __init__(self, *args: str, encode_args: tuple[str, ...] = (), language_args: tuple[str, ...] = ()) -> None:
-        self.encode, self.language = start_together(lambda: WorkerProcess("encode", *args, *encode_args),
-                                                    lambda: WorkerProcess("language", *args, *language_args))
+    """An encode worker and a transfer-only language worker: SGLang's encoder on ``model_path``, or
+    the numpy test double without it. ``args`` go to both."""
+
+    def __init__(self, *args: str, model_path: str | None = None, encode_args: tuple[str, ...] = (),
+                 language_args: tuple[str, ...] = ()) -> None:
+        model = ("--model-path", model_path) if model_path else ()
+        width = ("--hidden-size", str(embedding_width(model_path))) if model_path else ()
+        self.encode, self.language = start_together(
+            lambda: WorkerProcess("encode", *args, *model, *encode_args, fake_encoder=not model_path),
+            lambda: WorkerProcess("language", *args, *width, *language_args))
         self.rooms = iter(range(1000, 10**6))
 
     @classmethod
@@ -79,16 +86,17 @@ def assert_pools_free(pair: Pair, timeout: float = 10) -> None:
 
 
 @pytest.fixture(scope="module")
-def pair():
-    p = Pair()
+def pair(seeded_checkpoint):
+    p = Pair(model_path=seeded_checkpoint(3584))
     yield p
     p.stop()
 
 
 @pytest.fixture(scope="module")
 def in_process_encode():
-    """An encode worker with the pair's flags, its app served in this process (the fast tier's path)."""
-    worker = InProcessWorker("encode")
+    """An encode worker with the pair's flags, its app served in this process (the fast tier's path),
+    on the test double (what it is asked here is refused before any encoder runs)."""
+    worker = InProcessWorker("encode", encoder=FakeEncoder())
     yield worker
     worker.stop()
 
@@ -111,14 +119,17 @@ def images(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def in_process_encoder() -> QwenVisionEncoder:
-    return QwenVisionEncoder()
+def reference_rows(seeded_checkpoint, images, tmp_path_factory) -> dict[str, bytes]:
+    """The rows of the 4K and the four HD images through SGLang's encoder in a process of its own,
+    one image a forward pass."""
+    paths = [images["4k"], *(images[f"hd{i}"] for i in range(4))]
+    rows = encoded_rows(seeded_checkpoint(3584), paths, tmp_path_factory.mktemp("rows") / "rows.safetensors")
+    return {path: rows[path].numpy().tobytes() for path in paths}
 
 
-def in_process_sha(encoder: QwenVisionEncoder, paths: list[str]) -> str:
-    import hashlib
-
-    return hashlib.sha256(encoder.encode([load_image(p, TRUSTED_MEDIA) for p in paths]).embeddings.tobytes()).hexdigest()
+def reference_sha(rows: dict[str, bytes], paths: list[str]) -> str:
+    """The digest of one request's embedding: its images' rows in order."""
+    return hashlib.sha256(b"".join(rows[p] for p in paths)).hexdigest()
 
 
 @pytest.mark.fast
@@ -127,7 +138,7 @@ def test_a_cancel_between_success_and_assembly_fails_that_request_and_nothing_el
     """A cancel that comes after the scheduler read ``Success`` and before it assembled the
     embedding fails that request alone (not "cannot assemble in phase CLOSED" raised in the step,
     the rest of that step dropped). Forced here by cancelling as the scheduler calls assemble()."""
-    encode, lang = InProcessWorker("encode", "--encoder", "fake"), InProcessWorker("language")
+    encode, lang = InProcessWorker("encode", encoder=FakeEncoder()), InProcessWorker("language")
     worker, cancelled = lang.built.worker, []
     real_assemble = EmbeddingReceiver.assemble
 
@@ -161,7 +172,7 @@ def test_rooms_clients_make_up_hold_half_the_pool_at_most_and_end_at_the_join_wa
     one-request kind) is served from the other half; the made-up rooms end at the join wait
     (1 s here), the third after its own, blocks back, the encoder not counted as failing, and a
     real two-request request is served then."""
-    encode = InProcessWorker("encode", "--encoder", "fake")
+    encode = InProcessWorker("encode", encoder=FakeEncoder())
     lang = InProcessWorker("language", "--embedding-cache-buffer-size", "16", "--multimodal-block-size", "128",
                            "--embedding-default-allocate-buffer-size", "512", "--join-timeout", "1")
     worker = lang.built.worker
@@ -201,7 +212,7 @@ def test_a_worker_whose_picked_port_another_process_took_starts_on_another(monke
     taken.listen()
     picks = iter([taken.getsockname()[1]])
     monkeypatch.setattr(workers, "free_port", lambda: next(picks, None) or socket_free_port())
-    worker = WorkerProcess(mode, *(("--encoder", "fake") if mode == "encode" else ()))
+    worker = WorkerProcess(mode, fake_encoder=mode == "encode")
     try:
         assert worker.port != taken.getsockname()[1]
         assert requests.get(f"{worker.url}/health", timeout=10).status_code == 200
@@ -210,25 +221,38 @@ def test_a_worker_whose_picked_port_another_process_took_starts_on_another(monke
         taken.close()
 
 
+def test_an_encode_worker_without_a_model_is_a_clear_error() -> None:
+    """No built-in encoder: SGLang's launcher refuses the encode mode without --model-path, saying why."""
+    with pytest.raises(RuntimeError, match="error: an encode worker needs --model-path: the checkpoint whose encoder"):
+        WorkerProcess("encode", timeout=60)
+
+
+@pytest.mark.fast
+def test_an_in_process_encode_worker_without_a_model_is_refused_the_same_way() -> None:
+    with pytest.raises(SystemExit, match="an encode worker needs --model-path"):
+        InProcessWorker("encode")
+
+
 def socket_free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_4k_image_takes_a_resume_round_and_matches_in_process_encoding(pair, images, in_process_encoder) -> None:
+def test_4k_image_takes_a_resume_round_and_arrives_as_sglangs_encoder_made_it(pair, images, reference_rows) -> None:
     res = pair.request([images["4k"]])
     assert res["match"], res
     assert res["tokens"] == 10_549 and res["resume_rounds"] >= 1
-    assert res["sha256"] == in_process_sha(in_process_encoder, [images["4k"]])
+    assert res["sha256"] == reference_sha(reference_rows, [images["4k"]])
 
 
-def test_multi_image_request_gives_one_embedding_in_image_order(pair, images, in_process_encoder) -> None:
+def test_multi_image_request_gives_one_embedding_in_image_order(pair, images, reference_rows) -> None:
+    """Four images in one forward pass arrive as the rows each gives alone, in the request's order."""
     paths = [images[f"hd{i}"] for i in range(4)]
     res = pair.request(paths)
     assert res["match"] and res["tokens"] == 4 * 2691 and res["resume_rounds"] == 1
-    assert res["sha256"] == in_process_sha(in_process_encoder, paths)
-    assert res["sha256"] != in_process_sha(in_process_encoder, paths[::-1])
+    assert res["sha256"] == reference_sha(reference_rows, paths)
+    assert res["sha256"] != reference_sha(reference_rows, paths[::-1])
 
 
 def test_eight_concurrent_requests_of_mixed_sizes(pair, images) -> None:
@@ -352,8 +376,8 @@ def test_duplicate_rid_is_refused_while_the_first_is_in_flight(pair, images) -> 
         assert enc.status_code == 200 and first.result().status_code == 200
 
 
-def test_a_pool_that_forces_several_rounds(images) -> None:
-    pair = Pair(language_args=("--embedding-cache-buffer-size", "40", "--embedding-default-allocate-buffer-size", "2048"))
+def test_a_pool_that_forces_several_rounds(images, seeded_checkpoint) -> None:
+    pair = Pair(model_path=seeded_checkpoint(3584), language_args=("--embedding-cache-buffer-size", "40", "--embedding-default-allocate-buffer-size", "2048"))
     try:
         res = pair.request([images["2k"]])  # 42 blocks through a 40-block pool, 16 at first
         assert res["match"] and res["resume_rounds"] >= 2, res
@@ -384,14 +408,14 @@ def test_the_readme_main_job_pushes_a_4k_image_through_a_resume_round(tmp_path: 
 # The serial tests sit together (under xdist they wait once for the other worker), ctrl-c last: it
 # ends the module's encode worker.
 @pytest.mark.serial
-def test_hostile_media_and_json_get_400_at_once_and_the_worker_serves_on(tmp_path: Path) -> None:
+def test_hostile_media_and_json_get_400_at_once_and_the_worker_serves_on(tmp_path: Path, seeded_checkpoint) -> None:
     media = tmp_path / "media"
     media.mkdir()
     make_image(448, 448, seed=5).save(media / "ok.png")
     Image.new("1", (10_000, 10_000)).save(media / "bomb.png")  # 100 Mpx in a few kB
     os.mkfifo(media / "fifo.png")
     (media / "out.png").symlink_to("/etc/passwd")
-    encode = WorkerProcess("encode", "--encoder", "fake", "--allowed-local-media-path", str(media),
+    encode = WorkerProcess("encode", "--model-path", seeded_checkpoint(3584), "--allowed-local-media-path", str(media),
                            trusted_media=False)
     pair = Pair.of(encode, WorkerProcess("language"))
     try:
@@ -419,7 +443,8 @@ def test_hostile_media_and_json_get_400_at_once_and_the_worker_serves_on(tmp_pat
 
 
 @pytest.mark.serial
-def test_a_dripping_image_server_is_cut_off_at_the_fetch_deadline_and_holds_up_no_local_image(tmp_path: Path) -> None:
+def test_a_dripping_image_server_is_cut_off_at_the_fetch_deadline_and_holds_up_no_local_image(
+        tmp_path: Path, seeded_checkpoint) -> None:
     """Eight image URLs whose server sends four bytes a second (the fetch threads take four at a
     time): each ``/encode`` ends 400 once its whole fetch passed ``--image-fetch-timeout`` (2 s),
     not when the drip ends, and a local image sent meanwhile is encoded at once."""
@@ -448,7 +473,7 @@ def test_a_dripping_image_server_is_cut_off_at_the_fetch_deadline_and_holds_up_n
     threading.Thread(target=server.serve_forever, daemon=True).start()
     local = str(tmp_path / "local.png")
     make_image(64, 64, seed=10).save(local)
-    encode = WorkerProcess("encode", "--encoder", "fake", "--image-fetch-timeout", "2")
+    encode = WorkerProcess("encode", "--model-path", seeded_checkpoint(3584), "--image-fetch-timeout", "2")
 
     def post(rid: str, room: int, ref: str) -> tuple[requests.Response, float]:
         start = time.monotonic()
@@ -457,6 +482,8 @@ def test_a_dripping_image_server_is_cut_off_at_the_fetch_deadline_and_holds_up_n
         return answer, time.monotonic() - start
 
     try:
+        # SGLang's encoder's first forward pass is several times slower than the next ones
+        assert post("warm-up", 7099, local)[0].status_code == 200
         url = f"http://127.0.0.1:{server.server_address[1]}/slow.png"
         with ThreadPoolExecutor(9) as pool:
             slow = [pool.submit(post, f"slow{i}", 7000 + i, url) for i in range(8)]
@@ -473,8 +500,8 @@ def test_a_dripping_image_server_is_cut_off_at_the_fetch_deadline_and_holds_up_n
 
 
 @pytest.mark.serial
-def test_encoder_dying_mid_request_gives_a_5xx_naming_the_peer(images) -> None:
-    pair = Pair("--heartbeat-interval", "0.5", "--heartbeat-max-failure", "2")
+def test_encoder_dying_mid_request_gives_a_5xx_naming_the_peer(images, seeded_checkpoint) -> None:
+    pair = Pair("--heartbeat-interval", "0.5", "--heartbeat-max-failure", "2", model_path=seeded_checkpoint(3584))
     try:
         body = {"rid": "die", "bootstrap_host": "127.0.0.1", "bootstrap_port": pair.encode.bootstrap_port,
                 "bootstrap_room": 77}
