@@ -154,7 +154,7 @@ def test_a_cancel_between_success_and_assembly_fails_that_request_and_nothing_el
             victim, other = (pool.submit(run_request, encode.url, lang.url, encode.bootstrap_port, rid, room,
                                          [images["small"]], 60) for rid, room in (("victim", 1), ("other", 2)))
             victim, other = victim.result(), other.result()
-        assert cancelled == [True]
+        assert cancelled == [True], (victim, other)
         assert victim["language_status"] == 499 and "between its Success" in victim["language_error"], victim
         assert other["match"], other
         assert not [r for r in caplog.records if "scheduler step failed" in r.getMessage()]
@@ -392,11 +392,12 @@ def test_a_pool_that_forces_several_rounds(images, seeded_checkpoint) -> None:
             s.bind(("127.0.0.1", port))
 
 
-def test_the_readme_main_job_pushes_a_4k_image_through_a_resume_round(tmp_path: Path) -> None:
+def test_the_transfer_script_pushes_a_4k_image_through_a_resume_round(tmp_path: Path, seeded_checkpoint) -> None:
     root = Path(__file__).resolve().parent.parent
     make_image(3840, 2160, seed=5).save(tmp_path / "4k.png")
     out = subprocess.run([sys.executable, str(root / "scripts" / "transfer_large_image.py"), str(tmp_path / "4k.png"),
-                          "--json", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300)
+                          "--model-path", seeded_checkpoint(3584), "--json", str(tmp_path / "out.json")],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert lines[0].split()[:2] == ["request", "images"]
