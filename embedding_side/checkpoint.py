@@ -6,10 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from connector import checkpoint
-from connector.buffers import AUX_INTS, Embedding
-from connector.checkpoint import CheckpointError
-from connector.sender import SenderRoomCheckpoint
+from connector import AUX_INTS, CheckpointError, Embedding, SenderRoomCheckpoint, checkpoint
 
 ROLE = "encode"
 

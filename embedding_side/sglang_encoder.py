@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from connector.failures import FailureKind, TransferFailure
+from connector import FailureKind, TransferFailure
 from embedding_side.audio import AudioClip
 from embedding_side.encoders import EncodedImages, check_shape, settings_fingerprint
 from embedding_side.videos import VideoClip, VideoSampling

@@ -7,7 +7,7 @@ One request (``POST /encode``), each step bounded:
 2. fetch every image and read its header (400 on bad input); the token count follows from the
    sizes, so an embedding that can never fit the pool is refused (413) before any work, as are
    images that cannot be decoded together within the decode budget;
-3. reserve host memory for the embedding (:class:`connector.staging.ByteBudget`): at once
+3. reserve host memory for the embedding (:class:`connector.ByteBudget`): at once
    if a language worker already asked for the room, else in arrival order within the budget,
    waiting at most ``queue_timeout`` (then 503);
 4. reserve the memory to decode and preprocess the images (``MediaPolicy.decode_bytes``, in
@@ -45,17 +45,28 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from connector import checkpoint as checkpoint_files
-from connector.allocator import BlockAllocator, pool_blocks
-from connector.bootstrap import BootstrapServer
-from connector.buffers import AUX_INTS, DTYPE_SIZES, BufferPool, Embedding
-from connector.checkpoint import CheckpointError
-from connector.config import ConnectorConfig
-from connector.failures import FailureKind, TransferFailure
-from connector.mooncake_transport import MooncakeTransport
-from connector.peer_health import health_status
-from connector.sender import EmbeddingSender, EmbeddingSenderManager, SenderRoomCheckpoint
-from connector.staging import ByteBudget
+from connector import (
+    AUX_INTS,
+    DTYPE_SIZES,
+    BlockAllocator,
+    BootstrapServer,
+    BufferPool,
+    ByteBudget,
+    CheckpointError,
+    ConnectorConfig,
+    Embedding,
+    EmbeddingSender,
+    EmbeddingSenderManager,
+    FailureKind,
+    SenderRoomCheckpoint,
+    TransferFailure,
+    health_status,
+    pool_blocks,
+    worker_transport,
+)
+from connector import (
+    checkpoint as checkpoint_files,
+)
 from embedding_side import checkpoint
 from embedding_side.audio import AudioClip, open_audio
 from embedding_side.audio import decode_bytes as audio_decode_bytes
@@ -99,7 +110,7 @@ class EncodeWorker:
         self.checkpoint_dir = checkpoint_dir
         self.pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
         self.allocator = BlockAllocator(config.num_blocks)
-        self.transport = MooncakeTransport.for_worker(config)
+        self.transport = worker_transport(config)
         self.sender = EmbeddingSenderManager(config, self.transport, self.pool, self.allocator)
         self.gate = SleepGate("encode", queue_while_sleeping, config.max_sleep)
         self._on_disk = False  # asleep with every kept room written to the checkpoint folder

@@ -10,10 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from connector import checkpoint
-from connector.bootstrap import RankRoute
-from connector.buffers import Embedding
-from connector.receiver import ReceiverCheckpoint
+from connector import Embedding, RankRoute, ReceiverCheckpoint, checkpoint
 
 ROLE = "language"
 

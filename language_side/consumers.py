@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from connector.buffers import Embedding, rows_sha256
+from connector import Embedding, rows_sha256
 
 
 class Consumer(Protocol):

@@ -39,7 +39,7 @@ import aiohttp
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from connector.failures import FailureKind, TransferFailure
+from connector import FailureKind, TransferFailure
 from language_side.embedding_cache import EmbeddingCache, cache_key, image_digest, split_rows
 from language_side.layout import MERGE, LayoutError, grids_from_positions
 from language_side.worker import LanguageWorker

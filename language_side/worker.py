@@ -35,17 +35,25 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from connector import checkpoint as checkpoint_files
-from connector.allocator import BlockAllocator, pool_blocks
-from connector.bootstrap import RankRoute
-from connector.buffers import BufferPool, Embedding
-from connector.config import ConnectorConfig
-from connector.failures import FailureKind, TransferFailure
-from connector.mooncake_transport import MooncakeTransport
-from connector.peer_health import health_status
-from connector.poll import KVPoll
-from connector.receiver import EmbeddingReceiver, EmbeddingReceiverManager
-from connector.transitions import checked_move
+from connector import (
+    BlockAllocator,
+    BufferPool,
+    ConnectorConfig,
+    Embedding,
+    EmbeddingReceiver,
+    EmbeddingReceiverManager,
+    FailureKind,
+    KVPoll,
+    RankRoute,
+    TransferFailure,
+    checked_move,
+    health_status,
+    pool_blocks,
+    worker_transport,
+)
+from connector import (
+    checkpoint as checkpoint_files,
+)
 from language_side import checkpoint
 from language_side.checkpoint import SavedRequest
 from language_side.consumers import Consumer, DigestConsumer
@@ -115,7 +123,7 @@ class LanguageWorker:
         self.config, self.consumer, self.checkpoint_dir = config, consumer or DigestConsumer(), checkpoint_dir
         self.pool: BufferPool | None = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
         self.allocator: BlockAllocator | None = BlockAllocator(config.num_blocks)
-        self.transport = MooncakeTransport.for_worker(config)
+        self.transport = worker_transport(config)
         self._wake = threading.Event()
         restarting = bool(checkpoint_dir) and checkpoint_files.exists(checkpoint_dir, checkpoint.ROLE)
         self.receivers = EmbeddingReceiverManager(config, self.transport, self.pool, self.allocator,

@@ -1,6 +1,6 @@
 """Command-line flags of both workers: SGLang's names for shared things, ours for the rest.
 
-The connector's settings come from one table, ``connector.config.SETTINGS`` (each with its flag,
+The connector's settings come from one table, ``connector.SETTINGS`` (each with its flag,
 type, default, environment variable and help): every one defaults to its environment variable
 and then to the built-in default, and ``--help`` shows the value in effect and the variable.
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from connector.config import SETTINGS, ConnectorConfig, Setting
+from connector import SETTINGS, ConnectorConfig, Setting
 from embedding_side.images import (
     DEFAULT_DECODE_BYTES,
     DEFAULT_MAX_AUDIO_SECONDS,

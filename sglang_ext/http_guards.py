@@ -19,7 +19,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from connector.failures import FailureKind
+from connector import FailureKind
 from worker_infra.http import asleep_error
 
 if TYPE_CHECKING:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request  # SGLang's server is FastAPI; this module runs only where it is installed
 
-from connector.failures import TransferFailure
+from connector import TransferFailure
 from sglang_ext.http_guards import AsleepHealth, BodyLimit, FreezeGcAfterWake, RetryAfter, ScrubErrors
 from sglang_ext.prompt_bounds import too_long
 from worker_infra.http import (
@@ -141,11 +141,11 @@ async def around_pause_generation(original, manager, obj, *args, **kwargs):
 
 
 async def _write_generations(manager) -> dict:
-    from connector.checkpoint import save_or_explain
+    from connector import checkpoint
     from sglang_ext import generations
 
     saved = generations.snapshot(manager, _here.receiver)
-    written, why = await asyncio.to_thread(save_or_explain, _here.ours.checkpoint_dir, lambda: generations.save(
+    written, why = await asyncio.to_thread(checkpoint.save_or_explain, _here.ours.checkpoint_dir, lambda: generations.save(
         _here.ours.checkpoint_dir, saved, _here.geometry(manager)))
     if written is None:
         return {"generations_checkpoint_error": why}
@@ -353,7 +353,7 @@ def _add_routes(manager, worker, dispatch) -> None:
     from sglang.srt.runtime_context import get_observability
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
-    from connector.checkpoint import CheckpointError
+    from connector import CheckpointError
 
     released = False  # SGLang's memory occupation, by a level-2 sleep
     freeze_pending = asyncio.Event()  # SGLang's /freeze_gc came while asleep (FreezeGcAfterWake)

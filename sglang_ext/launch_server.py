@@ -25,7 +25,7 @@ from sglang_ext.args import add_worker_args, connector_config, resolve_mode
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from connector.config import ConnectorConfig
+    from connector import ConnectorConfig
     from embedding_side.worker import EncodeWorker
     from language_side.worker import LanguageWorker
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from connector.failures import TransferFailure
+from connector import TransferFailure
 from language_side.dispatch import Embedded, EncoderDispatch, ImageRefused
 from language_side.layout import LayoutError
 from sglang_ext import shm_handover

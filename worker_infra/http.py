@@ -15,8 +15,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from connector.checkpoint import CheckpointError
-from connector.failures import FailureKind, TransferFailure
+from connector import CheckpointError, FailureKind, TransferFailure
 
 
 class HTTPError(Exception):

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
-from connector.failures import FailureKind, TransferFailure
+from connector import FailureKind, TransferFailure
 from worker_infra.http import asleep_error
 
 log = logging.getLogger(__name__)
