@@ -33,12 +33,12 @@ GUIDELLM_INSTALL=$!
 grep -v '^sglang==' requirements-sglang-cpu.txt | .venv/bin/python -m pip install -q --disable-pip-version-check \
     --no-warn-conflicts -c constraints-cpu.txt -r /dev/stdin
 # No GPU: torchvision's wheel (SGLang's Qwen-VL processor imports it) is a CUDA build whose C ops
-# do not load here, and sgl_kernel has no CPU build. sglang_ext/cpu_shim.py stands in for what
+# do not load here, and sgl_kernel has no CPU build. sglang_ext/cpu/shim.py stands in for what
 # SGLang touches of them; a .pth file loads it in every process of this environment.
 SITE=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 if ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
     .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "torchvision==0.28.0"
-    echo "import sglang_ext.cpu_shim" > "$SITE/epd_cpu_shim.pth"
+    echo "import sglang_ext.cpu.shim" > "$SITE/epd_cpu_shim.pth"
 else
     rm -f "$SITE/epd_cpu_shim.pth"
 fi

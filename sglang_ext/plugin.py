@@ -12,9 +12,9 @@ Two hooks on public-facing SGLang functions decide the mode:
 The language mode's hooks on SGLang's tokenizer manager live in
 :mod:`sglang_ext.language_server`; one more, in every mode, gives SGLang's ``torch_native``
 attention backend (the CPU one) an extend without padded queries
-(:mod:`sglang_ext.cpu_attention`), another SGLang's vision attention on a CPU a mask-free
-one (:mod:`sglang_ext.cpu_vision_attention`), one, on a CPU without bf16 arithmetic, its linear
-layers' bf16 products on float32 copies (:mod:`sglang_ext.cpu_gemm`), one Qwen2-Audio's encoder the padding mask
+(:mod:`sglang_ext.cpu.attention`), another SGLang's vision attention on a CPU a mask-free
+one (:mod:`sglang_ext.cpu.vision_attention`), one, on a CPU without bf16 arithmetic, its linear
+layers' bf16 products on float32 copies (:mod:`sglang_ext.cpu.gemm`), one Qwen2-Audio's encoder the padding mask
 upstream leaves out (:mod:`sglang_ext.qwen2_audio_mask`, on every device), and one leaves the
 language side's models without their vision or audio tower (:mod:`sglang_ext.no_encoder_tower`).
 
@@ -90,7 +90,7 @@ def register() -> None:
         HookRegistry.register(f"{TOKENIZER_MANAGER}.{method}", _language_server_hook(name), HookType.AROUND)
     HookRegistry.register(TORCH_NATIVE_EXTEND, _around_torch_native_extend, HookType.AROUND)
     HookRegistry.register(VISION_SDPA, _around_vision_sdpa, HookType.AROUND)
-    from sglang_ext.cpu_gemm import around_unquantized_linear, slow_bf16
+    from sglang_ext.cpu.gemm import around_unquantized_linear, slow_bf16
 
     if slow_bf16():
         HookRegistry.register(UNQUANTIZED_LINEAR, around_unquantized_linear, HookType.AROUND)
@@ -219,7 +219,7 @@ def _around_freeze_gc(original, server_args, *args, **kwargs):
 
 
 def _around_torch_native_extend(original, *args, **kwargs):
-    from sglang_ext.cpu_attention import extend_without_padding
+    from sglang_ext.cpu.attention import extend_without_padding
 
     return extend_without_padding(original, *args, **kwargs)
 
@@ -246,7 +246,7 @@ def _around_load_weights(original, model, weights, *args, **kwargs):
 
 
 def _around_vision_sdpa(original, *args, **kwargs):
-    from sglang_ext.cpu_vision_attention import segmented_attention
+    from sglang_ext.cpu.vision_attention import segmented_attention
 
     return segmented_attention(original, *args, **kwargs)
 

@@ -50,7 +50,7 @@ def test_the_resample_stand_in_gives_torchaudios_length() -> None:
     """ceil(n x new / old) samples, what the encoder's token count is computed from."""
     import torch
 
-    from sglang_ext.cpu_shim import resample
+    from sglang_ext.cpu.shim import resample
 
     for frames, old, new in ((88200, 44100, 16000), (72986, 22050, 16000), (16000, 8000, 16000), (5, 44100, 16000)):
         assert resample(torch.zeros(1, frames), old, new).shape[-1] == -(-frames * new // old)

@@ -1,4 +1,4 @@
-"""sglang_ext/cpu_attention.py against SGLang's own torch_native extend, on the same caches: a
+"""sglang_ext/cpu/attention.py against SGLang's own torch_native extend, on the same caches: a
 batch mixing a fresh prompt, a cached prefix extended by a chunk, a one-token extension (a
 decode request in a mixed batch) and grouped-query heads gives the same attention output.
 (Greedy ids through the whole server are checked against transformers in test_sglang_language.)"""
@@ -40,7 +40,7 @@ def batch(prefixes: list[int], news: list[int], dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_unpadded_extend_equals_sglangs_padded_one(dtype: torch.dtype, causal: bool) -> None:
-    from sglang_ext.cpu_attention import extend_without_padding
+    from sglang_ext.cpu.attention import extend_without_padding
 
     query, k_cache, v_cache, req_to_token, pool_rows, totals, prefixes, news = batch([0, 37, 90, 5], [23, 11, 1, 64],
                                                                                      dtype)
@@ -56,7 +56,7 @@ def test_the_unpadded_extend_equals_sglangs_padded_one(dtype: torch.dtype, causa
 
 
 def test_a_sliding_window_keeps_sglangs_code() -> None:
-    from sglang_ext.cpu_attention import extend_without_padding
+    from sglang_ext.cpu.attention import extend_without_padding
 
     windows = []
 

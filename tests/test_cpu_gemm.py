@@ -1,4 +1,4 @@
-"""sglang_ext/cpu_gemm.py: bf16 products with many rows computed on float32 copies (what a CPU
+"""sglang_ext/cpu/gemm.py: bf16 products with many rows computed on float32 copies (what a CPU
 without bf16 arithmetic runs 6-9x faster), few rows on the bf16 kernel; against PyTorch's own
 bf16 kernel and float32 products. (That SGLang's linear layers go through it in a process with the
 plugin: test_sglang_plugin; greedy ids through whole servers against transformers: test_sglang_language and others.)"""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sglang_ext import cpu_gemm
+from sglang_ext.cpu import gemm as cpu_gemm
 
 pytestmark = pytest.mark.fast
 

@@ -1,4 +1,4 @@
-"""sglang_ext/cpu_vision_attention.py against SGLang's own ``VisionSdpaAttention`` (its masked
+"""sglang_ext/cpu/vision_attention.py against SGLang's own ``VisionSdpaAttention`` (its masked
 SDPA), on the same inputs: windows of several lengths, an empty window, one whole-image segment.
 (The tower's output through SGLang's encoder is checked against transformers in
 test_sglang_encoder.)"""
@@ -11,7 +11,7 @@ import torch
 # imported at collection: importing it runs ldconfig once (a process, which the fast tier refuses)
 from sglang.srt.layers.attention.vision import VisionSdpaAttention
 
-from sglang_ext.cpu_vision_attention import segmented_attention
+from sglang_ext.cpu.vision_attention import segmented_attention
 
 pytestmark = pytest.mark.fast
 

@@ -187,7 +187,7 @@ def test_a_one_step_change_of_a_few_logits_does_not_change_a_seeded_rows_token(s
 def test_the_cpu_hash_is_murmur3_of_seed_position_and_column() -> None:
     """The CPU stand-in for SGLang's hash kernel, against MurmurHash3 over the four 4-byte blocks
     written out on Python integers."""
-    from sglang_ext.cpu_shim import murmur_hash32
+    from sglang_ext.cpu.shim import murmur_hash32
 
     def mix(h: int, k: int) -> int:
         k = (k * 0xCC9E2D51) & 0xFFFFFFFF

@@ -56,7 +56,7 @@ def reference(folder):
     import torch
     from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
-    from sglang_ext.cpu_shim import resample
+    from sglang_ext.cpu.shim import resample
 
     processor = AutoProcessor.from_pretrained(folder)
     model = Qwen2AudioForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).eval()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from sglang_ext.cpu_gemm import slow_bf16
+from sglang_ext.cpu.gemm import slow_bf16
 
 pytestmark = pytest.mark.sglang
 
@@ -266,7 +266,7 @@ CPUS = ["without bf16 arithmetic"] + (["this one, with bf16 arithmetic"] if not 
 def test_on_a_cpu_without_bf16_arithmetic_sglangs_linear_layers_compute_in_float32(cpu: str) -> None:
     """In a process that loaded the plugins as SGLang's launcher does (every mode: SGLang's own
     monolithic server too, so a benchmark's two sides compute alike), SGLang's unquantized linear
-    layers take ``sglang_ext.cpu_gemm``'s product for many rows on a CPU without bf16 arithmetic
+    layers take ``sglang_ext.cpu.gemm``'s product for many rows on a CPU without bf16 arithmetic
     (AVX2; emulated here by PyTorch's two capability checks answering no), and PyTorch's bf16
     kernel for few rows; on a CPU with it (AVX512-BF16 or AMX) PyTorch's kernel for all. On a
     machine without it, its own case is the emulated one, run once."""
@@ -277,7 +277,7 @@ def test_on_a_cpu_without_bf16_arithmetic_sglangs_linear_layers_compute_in_float
             "from sglang.srt.plugins import load_plugins\n"
             "load_plugins()\n"
             "from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod\n"
-            "from sglang_ext import cpu_gemm\n"
+            "from sglang_ext.cpu import gemm as cpu_gemm\n"
             "calls, product = [], cpu_gemm.linear\n"
             "cpu_gemm.linear = lambda x, *rest: calls.append(x.shape[0]) or product(x, *rest)\n"
             "layer = torch.nn.Module()\n"

@@ -1,7 +1,7 @@
 """What SGLang's server needs on a machine without a GPU in place of two CUDA-only packages.
 
 Installed only there: ``scripts/setup.sh`` writes ``epd_cpu_shim.pth`` (one line, ``import
-sglang_ext.cpu_shim``) into the environment's site-packages when ``nvidia-smi`` finds no GPU, so
+sglang_ext.cpu.shim``) into the environment's site-packages when ``nvidia-smi`` finds no GPU, so
 every Python process of that environment (SGLang's scheduler and detokenizer included) loads
 this module at start; it imports nothing heavy until asked for one of the two packages.
 
@@ -74,7 +74,7 @@ class CpuShimCalled(RuntimeError):
 def _refuse(name: str):
     def refuse(*_args, **_kwargs):
         raise CpuShimCalled(f"{name} was called, but this machine has no build of it (no GPU, no CPU build of "
-                            f"sgl_kernel / torchvision's C ops): only a stand-in from sglang_ext/cpu_shim.py")
+                            f"sgl_kernel / torchvision's C ops): only a stand-in from sglang_ext/cpu/shim.py")
 
     refuse.__name__ = name.rsplit(".", 1)[-1]
     return refuse
@@ -85,7 +85,7 @@ def _stand_in_sgl_kernel() -> types.ModuleType:
     library = _LIBRARIES["sgl_kernel"]
     library.define("murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor")
     library.impl("murmur_hash32_cpu", murmur_hash32, "CompositeExplicitAutograd")
-    module = types.ModuleType("sgl_kernel", "CPU stand-in for sgl_kernel (sglang_ext/cpu_shim.py)")
+    module = types.ModuleType("sgl_kernel", "CPU stand-in for sgl_kernel (sglang_ext/cpu/shim.py)")
     for name in SGL_KERNEL_NAMES:
         setattr(module, name, _refuse(f"sgl_kernel.{name}"))
     module.__epd_cpu_shim__ = True
