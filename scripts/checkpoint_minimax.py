@@ -10,7 +10,7 @@ attention has no CPU kernel. transformers' ``MiniMaxM3SparseForConditionalGenera
 the weights; they are saved under the hub's names (what transformers' conversion mapping for
 ``minimax_m3_vl`` reads and SGLang's ``load_weights`` expects), and config.json carries both
 libraries' spellings of the vision settings. The language model is re-drawn so that its greedy
-ids are decided far above bf16 rounding (``make_checkpoint.decisive_language_model``).
+ids are decided far above bf16 rounding (``checkpoint_text.decisive_language_model``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from make_checkpoint import TEXT_INIT, VOCAB_SIZE, decisive_language_model, write_tokenizer
+from checkpoint_text import TEXT_INIT, VOCAB_SIZE, decisive_language_model, write_tokenizer
 
 # MiniMax-M3's chat and vision tokens: ]~!b[ begins a conversation, ]~b]role ... [e~[ is a turn
 SPECIAL_TOKENS = ("]~!b[", "]~b]", "[e~[", "]!p~[", "]<]image[>[", "]<]video[>[", "]<]start of image[>[",

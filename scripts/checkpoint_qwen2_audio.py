@@ -8,7 +8,7 @@ positions), language model Qwen2 with hidden 256 and 2 layers. Two things differ
 SGLang's loader does not take, and reads both), and ``audio_config.output_dim`` is the language
 model's width (what the projector emits; SGLang's encoder sizes audio rows from it, else from
 ``d_model``). The language model is re-drawn so that its greedy ids are decided far above bf16
-rounding (``make_checkpoint.decisive_language_model``).
+rounding (``checkpoint_text.decisive_language_model``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from make_checkpoint import TEXT_INIT, VOCAB_SIZE, decisive_language_model, write_tokenizer
+from checkpoint_text import TEXT_INIT, VOCAB_SIZE, decisive_language_model, write_tokenizer
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>")
 # each audio part as Qwen2-Audio's chat template lays it out: "Audio N: <|audio_bos|><|AUDIO|><|audio_eos|>"

@@ -1,14 +1,14 @@
 """The seeded checkpoints decide their greedy ids: on the media and prompts the SGLang tests and the
 main job compare with transformers' reference, every step of the reference leads its runner-up by
 at least :data:`MIN_MARGIN_NATS` (log_softmax of its float32 logits), far above what bf16 rounding
-moves a lead (see ``make_checkpoint.decisive_language_model``), it runs its full length (no EOS),
+moves a lead (see ``checkpoint_text.decisive_language_model``), it runs its full length (no EOS),
 and two different media give different ids at a step with that lead.
 
 A representative set, in-process and quick: per family the images or clips of up to 1920x1080 or
 30 s and the prompts with two of them; Qwen2.5-VL's OpenAI chats and the main job's checked
 request at both of its widths. Left out here (SGLang's video sampling and resampling cannot be
 imported in the fast tier, and 3840x2160 is slow): the videos, 3840x2160, the 44.1 kHz clip and
-the long runs. Each head direction in ``make_checkpoint.HEAD_SEEDS`` was chosen on all of those
+the long runs. Each head direction in ``checkpoint_text.HEAD_SEEDS`` was chosen on all of those
 but the long runs.
 """
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from make_checkpoint import SPECIAL_TOKENS
+from checkpoint_text import SPECIAL_TOKENS
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 pytestmark = pytest.mark.fast
