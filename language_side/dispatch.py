@@ -33,7 +33,7 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 import numpy as np
@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from connector import FailureKind, TransferFailure
 from language_side.embedding_cache import EmbeddingCache, cache_key, image_digest, split_rows
 from language_side.layout import MERGE, LayoutError, grids_from_positions
+from language_side.transfer_meta import TransferMeta
 from language_side.worker import LanguageWorker
 from worker_infra.http import encoder_host, wait_for_future
 
@@ -88,7 +89,7 @@ class Embedded:
     rows: np.ndarray
     grids: list[tuple[int, int, int]]
     fingerprints: list[str | None] = field(default_factory=list)  # per image: the preprocessing that made it
-    meta: dict = field(default_factory=dict)
+    meta: TransferMeta = field(default_factory=TransferMeta)
     # per video, in order: "video_timestamps" and/or "second_per_grid_ts", as the encoder gave them
     extras: dict = field(default_factory=dict)
     # the SHA-256 of ``rows`` when they are one received part's copy, checked end to end (None
@@ -160,9 +161,8 @@ class EncoderDispatch:
         future = self.worker.submit(rid, addr, room, named_by_client=True)
         transfer = await wait_for_future(future, lambda: self.worker.cancel(rid, "the client went away"))
         rows, positions = transfer.pop("embedding"), transfer.pop("mrope_positions")
-        return Embedded(rows, grids_from_positions(positions), [], transfer | {"num_tokens": len(rows),
-                                                                               "encoders": [addr]},
-                        rows_sha256=transfer["sha256"])
+        return Embedded(rows, grids_from_positions(positions), meta=TransferMeta.received(
+            transfer, encoders=[addr], sha256=transfer["sha256"]), rows_sha256=transfer["sha256"])
 
     async def embed_media(self, rid: str, refs: list[str], modality: str) -> Embedded:
         """Videos' or audio clips' embeddings (``modality``), encoded and received, not cached;
@@ -194,8 +194,7 @@ class EncoderDispatch:
                      if digest is not None and (hit := self.cache.get(cache_key(digest, fingerprint))) is not None}
         missing = [i for i in range(len(images)) if i not in found]
         self.cache_hits.inc(len(found))
-        meta = {"num_tokens": 0, "resume_rounds": 0, "encoder_retries": 0, "transfer_ms": 0.0, "copy_ms": 0.0, "encode_ms": 0.0,
-                "encoder_wait_ms": 0.0, "queue_ms": 0.0, "encoders": []}
+        meta = TransferMeta(encode_ms=0.0)  # nothing encoded: every image from the cache
         if missing:
             sent = await self._dispatch(rid, [images[i] for i in missing])
             meta = sent.meta
@@ -208,8 +207,8 @@ class EncoderDispatch:
         # nothing from the cache: the parts' rows are already joined in order (no second copy)
         whole = len(missing) == len(images)
         rows = sent.rows if whole else np.concatenate([r for r, _ in ordered])
-        return Embedded(rows, [g for _, g in ordered], [], meta | {"num_tokens": len(rows),
-                                                              "cached_images": len(images) - len(missing)},
+        return Embedded(rows, [g for _, g in ordered],
+                        meta=replace(meta, num_tokens=len(rows), cached_images=len(images) - len(missing)),
                         rows_sha256=sent.rows_sha256 if whole else None)
 
     async def _fingerprint(self) -> str | None:
@@ -245,19 +244,11 @@ class EncoderDispatch:
             raise
         rows = parts[0].rows if len(parts) == 1 else np.concatenate([p.rows for p in parts])
         return Embedded(rows, [g for p in parts for g in p.grids],
-                        [p.meta.get("preprocessing") for p in parts for _ in p.grids],
-                        {"num_tokens": sum(p.meta["num_tokens"] for p in parts),
-                         "resume_rounds": sum(p.meta["resume_rounds"] for p in parts),
-                         "encoder_retries": sum(p.meta["attempts"] - 1 for p in parts),
-                         "transfer_ms": max(p.meta["transfer_ms"] for p in parts),
-                         "copy_ms": max(p.meta["copy_ms"] for p in parts),
-                         "encode_ms": max(p.meta["encode_ms"] for p in parts),
-                         "encoder_wait_ms": max(p.meta["encoder_wait_ms"] for p in parts),
-                         "queue_ms": max(p.meta["queue_ms"] for p in parts),
-                         "encoders": [p.meta["encoder"] for p in parts]},
-                        {key: [v for p in parts for v in p.extras.get(key, [])]
-                         for key in {key for p in parts for key in p.extras}},
-                        parts[0].rows_sha256 if len(parts) == 1 else None)
+                        fingerprints=[p.meta.preprocessing for p in parts for _ in p.grids],
+                        meta=TransferMeta.joined([p.meta for p in parts]),
+                        extras={key: [v for p in parts for v in p.extras.get(key, [])]
+                                for key in {key for p in parts for key in p.extras}},
+                        rows_sha256=parts[0].rows_sha256 if len(parts) == 1 else None)
 
     async def _part(self, rid: str, index: int, images: list[str], modality: str = "image") -> Embedded:
         tried: set[str] = set()
@@ -287,8 +278,8 @@ class EncoderDispatch:
                 enc.outstanding -= estimate
             self.parts.labels(enc.url, "ok").inc()
             if modality == "image":
-                self.tokens_per_image = max(1, result.meta["num_tokens"] // len(images))
-            result.meta |= {"attempts": attempt, "encoder": enc.url}
+                self.tokens_per_image = max(1, result.meta.num_tokens // len(images))
+            result.meta.attempts, result.meta.encoders = attempt, [enc.url]
             return result
         if not tried and all(e.modalities is not None and modality not in e.modalities for e in self.encoders):
             raise ImageRefused(400, f"none of this language server's encoders takes {modality}s (their /health "
@@ -383,9 +374,9 @@ class EncoderDispatch:
             raise _EncoderFault(f"encoder {enc.url}: its embedding cannot be placed: {exc}") from None
         if encoded.get("preprocessing"):
             self.fingerprints[enc.url] = str(encoded["preprocessing"])
-        return Embedded(rows, grids, [], transfer | {"encode_ms": encoded.get("encode_ms", 0.0),
-                                                 "preprocessing": self.fingerprints.get(enc.url)}, extras,
-                        transfer["sha256"])
+        meta = TransferMeta.received(transfer, encode_ms=encoded.get("encode_ms", 0.0),
+                                     preprocessing=self.fingerprints.get(enc.url))
+        return Embedded(rows, grids, meta=meta, extras=extras, rows_sha256=transfer["sha256"])
 
     @staticmethod
     async def _received(enc: Encoder, receiving: asyncio.Future) -> dict:

@@ -32,14 +32,10 @@ import torch
 from connector import TransferFailure
 from language_side.dispatch import Embedded, EncoderDispatch, ImageRefused
 from language_side.layout import LayoutError
+from language_side.transfer_meta import TransferMeta
 from sglang_ext import shm_handover
 
 log = logging.getLogger(__name__)
-
-# What a response's meta_info gets of its images' transfer (the names our native worker uses).
-TRANSFER_META = ("resume_rounds", "transfer_ms", "copy_ms", "encode_ms", "encoder_wait_ms", "queue_ms", "encoder_retries",
-                 "cached_images", "sha256")  # sha256: of a two-request room's rows, as the encoder's answer has it
-
 
 MODALITIES = ("image", "video", "audio")
 # the argument of SGLang's get_validated_mm_data that takes a modality's grids
@@ -89,19 +85,6 @@ def _item_options(item: Any) -> set[str]:
     if isinstance(item, dict):
         return {key for key, value in item.items() if key not in ITEM_FIELDS and value is not None}
     return {name for name in ITEM_OPTIONS if getattr(item, name, None)}
-
-
-def _joined_meta(metas: list[dict]) -> dict:
-    """The transfer meta of a request's images and videos, received side by side: counts added,
-    times the longer of the two."""
-    if len(metas) == 1:
-        return metas[0]
-    joined = {}
-    for key in {key for meta in metas for key in meta}:
-        values = [meta[key] for meta in metas if key in meta]
-        joined[key] = (sum(values, []) if isinstance(values[0], list) else
-                       max(values) if key.endswith("_ms") else sum(values))
-    return joined
 
 
 def _adopt_digests(inputs, tensors: dict, digests: dict) -> list:
@@ -161,7 +144,8 @@ class ResumableReceiver:
             return None
         rid = str(request_obj.rid)
         if (restored := self._restored.pop(rid, None)) is not None:
-            embedded = {"image": Embedded(*restored)}
+            rows, grids = restored
+            embedded = {"image": Embedded(rows=rows, grids=grids)}
         elif sources["image"] == [self.room_marker]:
             embedded = {"image": await self._receive_room(rid, request_obj)}
         else:
@@ -189,15 +173,14 @@ class ResumableReceiver:
         sampling = getattr(request_obj, "sampling_params", None)
         if digested and isinstance(sampling, dict) and sampling.get("n", 1) == 1 and shm_handover.sglang_sends_shm():
             self._segments.setdefault(rid, []).extend(await shm_handover.hand_over(digested))
-        meta = _joined_meta([part.meta for part in embedded.values()])
+        meta = TransferMeta.joined([part.meta for part in embedded.values()])
         if self.keep_inputs and list(embedded) == ["image"]:
             self._inputs[rid] = (embedded["image"].rows, embedded["image"].grids, request_obj.image_data)
-        self._transfer_meta[rid] = {key: meta[key] for key in TRANSFER_META if key in meta}
+        self._transfer_meta[rid] = meta.response_fields()
         log.info("rid=%s: %s tokens from %s, %d resume rounds, transfer %.0f ms, %d cached image(s); SGLang's inputs "
                  "built in %.0f ms, %d item hash(es) from the connector's digest, %d handed over in shared memory",
                  rid, ", ".join(f"{len(part.rows)} {kind}" for kind, part in embedded.items()),
-                 meta.get("encoders"), meta.get("resume_rounds", 0), meta.get("transfer_ms", 0.0),
-                 meta.get("cached_images", 0), built_ms, len(digested),
+                 meta.encoders, meta.resume_rounds, meta.transfer_ms, meta.cached_images or 0, built_ms, len(digested),
                  len(self._segments.get(rid, [])))
         return inputs
 
