@@ -31,6 +31,7 @@ count and first resize, then the video processor's own ``get_num_of_video_patche
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import logging
 import re
@@ -172,6 +173,16 @@ class SGLangEncoder:
             raise ValueError(f"{clip.seconds:.1f} s of audio is past the encoder's "
                              f"{extractor.nb_max_frames * extractor.hop_length / rate:g} s window")
         return int(self.encoder.preprocessor._get_feat_extract_output_lengths(torch.tensor(mel_frames)))
+
+    def warm_up(self) -> concurrent.futures.Future | None:
+        """A small black image through the encoder, not waited for (None for an encoder of audio
+        only): the first forward pass of a process compiles SGLang's vision rotary (torch.compile;
+        2.3 s on a 2-core CPU), which would otherwise hold up the first client's request."""
+        if "image" not in self.modalities:
+            return None
+        picture = Image.new("RGB", (56, 56))
+        return asyncio.run_coroutine_threadsafe(self._encode(f"epd-warm-up-{uuid.uuid4().hex}", "IMAGE", [picture]),
+                                                self._loop)
 
     def encode(self, images: list[Image.Image]) -> EncodedImages:
         """One request's images through SGLang's scheduler (batched with whatever else is queued

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from connector import ConnectorConfig
     from embedding_side.worker import EncodeWorker
     from language_side.worker import LanguageWorker
+
+log = logging.getLogger(__name__)
+WARM_UP_TIMEOUT_S = 300.0  # the encoder's first forward pass (a compile included), at start
 
 
 @dataclass
@@ -54,6 +58,7 @@ def build(args: argparse.Namespace, encoder=None) -> Built:  # noqa: ANN001 - a 
         from embedding_side.worker import EncodeWorker
 
         encoder = encoder or make_encoder(args, config)
+        warming = _warm_up(args, encoder)
         media = MediaPolicy.create(args.allowed_local_media_path or (), args.allowed_media_domains,
                                    allow_private=args.allow_private_media_urls, max_bytes=args.image_max_bytes,
                                    fetch_timeout=args.image_fetch_timeout, max_pixels=args.max_image_pixels,
@@ -62,6 +67,8 @@ def build(args: argparse.Namespace, encoder=None) -> Built:  # noqa: ANN001 - a 
                                    max_audio_seconds=args.max_audio_seconds)
         worker = EncodeWorker(config, encoder, args.disaggregation_bootstrap_port, media, args.queue_while_sleeping,
                               args.checkpoint_dir)
+        if warming is not None:
+            _warmed(warming, worker)
         extra = (f" bootstrap=http://{config.public_host}:{worker.bootstrap.port} "
                  f"zmq=tcp://{config.public_host}:{worker.sender.rank_port} encoder={encoder.name}")
         return Built(worker, build_app(worker, args.admin_api_key), config, extra)
@@ -80,6 +87,26 @@ def build(args: argparse.Namespace, encoder=None) -> Built:  # noqa: ANN001 - a 
     worker = LanguageWorker(config, checkpoint_dir=args.checkpoint_dir, queue_while_sleeping=args.queue_while_sleeping)
     return Built(worker, build_app(worker, allowed, args.admin_api_key), config,
                  f" zmq=tcp://{config.public_host}:{worker.receivers.rank_port} transfer-only")
+
+
+def _warm_up(args: argparse.Namespace, encoder):  # noqa: ANN001, ANN202 - a VisionEncoder, a Future or None
+    """The encoder's first forward pass, started before the worker sets up its transfer engine and
+    pool (about 1.5 s, overlapped) and finished before it serves (SGLang's ``--skip-server-warmup``
+    skips it, as it skips SGLang's server's)."""
+    server_args = getattr(args, "sglang_server_args", None)
+    if getattr(server_args, "skip_server_warmup", False) or not hasattr(encoder, "warm_up"):
+        return None
+    return encoder.warm_up(), time.monotonic()
+
+
+def _warmed(warming: tuple, worker) -> None:  # noqa: ANN001 - an EncodeWorker
+    future, started = warming
+    try:
+        future.result(timeout=WARM_UP_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - whatever failed, the worker cannot encode
+        worker.close()
+        raise SystemExit(f"error: the encoder's warm-up pass failed: {type(exc).__name__}: {exc}") from None
+    log.info("encoder warmed up: its first forward pass took %.1f s", time.monotonic() - started)
 
 
 def make_encoder(args: argparse.Namespace, config: ConnectorConfig):
@@ -141,7 +168,7 @@ def _close_for_exit(worker: EncodeWorker) -> None:
     closing.start()
     closing.join(CLOSE_WAIT_S)
     if closing.is_alive():
-        logging.getLogger(__name__).warning("encode worker still closing after %gs (a write in flight?); exiting "
+        log.warning("encode worker still closing after %gs (a write in flight?); exiting "
                                             "anyway", CLOSE_WAIT_S)
     elif failed:
         raise failed[0]

@@ -69,8 +69,9 @@ WATCHDOG = RequestWatchdog(dump_live_workers)
 # its processes are at the highest CPU priority, so the other worker's tests go on with what it
 # leaves of the two cores (most of these tests wait for a heartbeat, a cut or a timeout). Without
 # the right to raise a priority (CAP_SYS_NICE), the other worker waits instead. (Soaks assert exact
-# outputs and memory, not time: they share the machine.)
-SERIAL_MARKERS = ("serial", "faults", "load")
+# outputs and memory, not time: they share the machine, as the load tests that assert completion
+# only do.)
+SERIAL_MARKERS = ("serial", "faults")
 SERIAL_NICE = -20  # the other worker's processes, at 0, get about 1% of a core a timed test wants
 BASE_NICE = os.getpriority(os.PRIO_PROCESS, 0)  # what pytest was started at (0 unless under `nice`)
 

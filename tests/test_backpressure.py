@@ -18,7 +18,7 @@ from test_faults import wait_for
 from test_workers import Pair, assert_pools_free
 from transfer_large_image import make_image
 
-pytestmark = pytest.mark.load
+pytestmark = [pytest.mark.load, pytest.mark.serial]  # refusals are timed
 
 ONE_ALLOCATION = ("--embedding-cache-buffer-size", "64")  # one default allocation (8192 tokens) at a time
 

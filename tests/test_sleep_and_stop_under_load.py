@@ -15,7 +15,7 @@ from test_workers import Pair, assert_pools_free
 from transfer_large_image import make_image, run_request
 from workers import WorkerProcess
 
-pytestmark = pytest.mark.load
+pytestmark = [pytest.mark.load, pytest.mark.serial]  # every request ends within a stated time
 
 FAST_HEARTBEAT = ("--heartbeat-interval", "0.5", "--heartbeat-max-failure", "2")
 SIZES = [(3840, 2160), (1920, 1080), (1024, 768), (2048, 2048)]
