@@ -96,7 +96,8 @@ def _warm_up(args: argparse.Namespace, encoder):  # noqa: ANN001, ANN202 - a Vis
     server_args = getattr(args, "sglang_server_args", None)
     if getattr(server_args, "skip_server_warmup", False) or not hasattr(encoder, "warm_up"):
         return None
-    return encoder.warm_up(), time.monotonic()
+    future = encoder.warm_up()  # None: an encoder of audio only (nothing compiled at its first pass)
+    return None if future is None else (future, time.monotonic())
 
 
 def _warmed(warming: tuple, worker) -> None:  # noqa: ANN001 - an EncodeWorker

@@ -1,4 +1,4 @@
-"""Faults under load: each side killed (SIGKILL) or frozen (SIGSTOP) while 16 requests run, on
+"""Faults under load: each side killed (SIGKILL) or frozen (SIGSTOP) while 12 requests run, on
 SGLang's encoder.
 
 Every request ends, with its result or a clear error, within the heartbeat window; every block
@@ -40,7 +40,7 @@ def model(seeded_checkpoint) -> str:
 
 @pytest.fixture(scope="module")
 def load_set(tmp_path_factory, model) -> list[tuple[str, str]]:
-    """16 requests' images (one of each size, four times) and the sha256 of the rows SGLang's
+    """12 requests' images (one of each size, three times) and the sha256 of the rows SGLang's
     encoder gives each (in a process of its own)."""
     root = tmp_path_factory.mktemp("fault-images")
     paths = []
@@ -48,12 +48,12 @@ def load_set(tmp_path_factory, model) -> list[tuple[str, str]]:
         paths.append(str(root / f"{i}.png"))
         make_image(w, h, seed=200 + i).save(paths[-1])
     rows = encoded_rows(model, paths, root / "rows.safetensors")
-    return [(path, hashlib.sha256(rows[path].numpy().tobytes()).hexdigest()) for path in paths * 4]
+    return [(path, hashlib.sha256(rows[path].numpy().tobytes()).hexdigest()) for path in paths * 3]
 
 
-def run_16(pair: Pair, load_set, fault, timeout: float = 120) -> tuple[list[dict], float]:
-    """Start 16 request pairs, apply ``fault()`` mid-flight; returns the results and when it struck."""
-    with ThreadPoolExecutor(16) as pool:
+def run_12(pair: Pair, load_set, fault, timeout: float = 120) -> tuple[list[dict], float]:
+    """Start 12 request pairs, apply ``fault()`` mid-flight; returns the results and when it struck."""
+    with ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(run_request, pair.encode.url, pair.language.url, pair.encode.bootstrap_port,
                                f"f{room}", room, [path], timeout)
                    for room, (path, _) in zip((next(pair.rooms) for _ in load_set), load_set, strict=True)]
@@ -96,7 +96,7 @@ def restart(worker: WorkerProcess, *args: str) -> WorkerProcess:
 def test_an_encoder_killed_under_load(load_set, model) -> None:
     pair = Pair(*HEARTBEAT, model_path=model)
     try:
-        results, killed = run_16(pair, load_set, lambda: os.kill(pair.encode.proc.pid, signal.SIGKILL))
+        results, killed = run_12(pair, load_set, lambda: os.kill(pair.encode.proc.pid, signal.SIGKILL))
         for r in results:
             if r["language_status"] != 200:
                 assert r["language_status"] == 502 and "is dead" in r["language_error"], r
@@ -113,12 +113,12 @@ def test_an_encoder_killed_under_load(load_set, model) -> None:
 def test_a_language_worker_killed_under_load(load_set, model) -> None:
     pair = Pair(*HEARTBEAT, model_path=model, encode_args=("--bootstrap-timeout", str(BOOTSTRAP)))
     try:
-        results, killed = run_16(pair, load_set, lambda: os.kill(pair.language.proc.pid, signal.SIGKILL))
+        results, killed = run_12(pair, load_set, lambda: os.kill(pair.language.proc.pid, signal.SIGKILL))
         for r in results:
             if r["encode_status"] == 200:  # delivered before the kill
                 continue
             if r["encode_status"] == 504:  # the encoder's bootstrap wait ended: no init (never asked for),
-                # or, with 16 images queued on a loaded machine, its own embedding not ready within 3 s
+                # or, with 12 images queued on a loaded machine, its own embedding not ready within 3 s
                 assert re.search(r"bootstrap, no (init|encoded data) within", r["encode_error"]), r
                 assert r["encode_done_at"] - killed < BOOTSTRAP + 2.5, r
             else:  # found dead, or its write failed first: either way the error names the peer
@@ -141,7 +141,7 @@ def test_an_encoder_frozen_under_load_fails_its_rooms_and_claims_no_success_afte
         os.kill(pair.encode.proc.pid, signal.SIGCONT)
 
     try:
-        results, frozen = run_16(pair, load_set, freeze)
+        results, frozen = run_12(pair, load_set, freeze)
         failed = [r for r in results if r["language_status"] != 200]
         assert len(failed) >= 4
         for r in failed:
@@ -170,7 +170,7 @@ def test_a_language_worker_frozen_under_load(load_set, model) -> None:
         os.kill(pair.language.proc.pid, signal.SIGCONT)
 
     try:
-        results, frozen = run_16(pair, load_set, freeze)
+        results, frozen = run_12(pair, load_set, freeze)
         for r in results:
             if r["encode_status"] == 200:
                 assert r["language_status"] == 200 and r["match"], r
