@@ -82,21 +82,25 @@ from worker_infra.sleep import SleepGate, WorkerState
 log = logging.getLogger(__name__)
 
 
-async def _unless_failed(sender: EmbeddingSender, work: Future) -> object:
+async def _unless_failed(sender: EmbeddingSender, work: Future, timeout: float | None = None) -> object:
     """``work``'s result, or the room's failure as soon as the room fails (the worker stops, the
-    language peer aborts it): the client is answered then, not when a 4K forward pass ends. The
-    thread's pass then ends on its own and its result goes nowhere."""
+    language peer aborts it): the client is answered then, not when a 4K forward pass ends or a
+    memory grant comes. Work not started yet then never starts (a pass under way ends on its own,
+    its result going nowhere); TimeoutError when neither came within ``timeout``."""
     finished = asyncio.wrap_future(work)
     failed = asyncio.wrap_future(sender.delivered)  # fails with the room; set only after a send
     for waited in (finished, failed):
         waited.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even if nobody awaits it
     try:
-        await asyncio.wait({finished, failed}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({finished, failed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         work.cancel()  # not started yet: it never will be
         raise
-    if not finished.done():
-        failed.result()  # raises the room's failure
+    if finished not in done:
+        work.cancel()
+        if failed in done:
+            failed.result()  # raises the room's failure
+        raise TimeoutError
     return finished.result()
 
 
@@ -319,17 +323,10 @@ class EncodeWorker:
         """Wait up to ``queue_timeout`` for a memory grant; 503 with ``why_not()`` after that. A room
         that fails meanwhile (its language peer aborted it or went away, its bootstrap wait ended)
         answers its client at once with that failure, and its place in the queue goes."""
-        granted = asyncio.wrap_future(grant)
-        failed = asyncio.wrap_future(sender.delivered)  # fails with the room; set only after a send
-        failed.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even if nobody awaits it
-        done, _ = await asyncio.wait({granted, failed}, timeout=self.config.queue_timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if granted not in done:
-            granted.cancel()
-            if failed in done:
-                failed.result()  # raises the room's failure
-            raise TransferFailure(FailureKind.OVERLOADED, why_not())
-        granted.result()
+        try:
+            await _unless_failed(sender, grant, self.config.queue_timeout)
+        except TimeoutError:
+            raise TransferFailure(FailureKind.OVERLOADED, why_not()) from None
 
     def _open(self, modality: str, refs: list[str]) -> list[Image.Image] | list[VideoClip] | list[AudioClip]:
         """Each reference fetched and its header read (images not decoded yet)."""
