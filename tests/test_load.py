@@ -54,8 +54,8 @@ def small_language_pool(model):
     pair.stop()
 
 
-def test_48_concurrent_pairs_against_a_96_block_language_pool_all_complete(small_language_pool, mixed_images) -> None:
-    results = run_pairs(small_language_pool, mixed_images, 48, seed=48)
+def test_32_concurrent_pairs_against_a_96_block_language_pool_all_complete(small_language_pool, mixed_images) -> None:
+    results = run_pairs(small_language_pool, mixed_images, 32, seed=48)
     failed = [r for r in results if not r["match"]]
     assert not failed, failed[:3]
     assert {r["size"] for r in results} == set(SIZES)
@@ -68,7 +68,7 @@ def test_an_encoder_pool_smaller_than_one_4k_image_refuses_it_at_once_and_serves
     pair = Pair(model_path=model, encode_args=("--embedding-cache-buffer-size", "64"),
                 language_args=("--embedding-cache-buffer-size", "96"))
     try:
-        results = run_pairs(pair, mixed_images, 48, seed=64)
+        results = run_pairs(pair, mixed_images, 32, seed=64)
         for r in results:
             if r["size"] == FOUR_K:  # refused on both sides, with the reason, before any work
                 assert (r["encode_status"], r["language_status"]) == (413, 413), r
