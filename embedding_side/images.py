@@ -98,7 +98,11 @@ def open_image(ref: str, policy: MediaPolicy) -> Image.Image:
         raise ImageInputError("each image must be a non-empty string (path, file://, http(s):// or data: URI)")
     if "\x00" in ref:  # no path, URL or data: URI holds one; the OS would refuse it as a ValueError
         raise ImageInputError(f"{describe(ref)!r}: an image reference must not contain a NUL character")
-    data = fetch_media(ref, policy)
+    return open_image_bytes(fetch_media(ref, policy), ref, policy)
+
+
+def open_image_bytes(data: bytes, ref: str, policy: MediaPolicy) -> Image.Image:
+    """:func:`open_image` of bytes already fetched."""
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:

@@ -10,10 +10,12 @@ One request (``POST /encode``), each step bounded:
 3. reserve host memory for the embedding (:class:`connector.ByteBudget`): at once
    if a language worker already asked for the room, else in arrival order within the budget,
    waiting at most ``queue_timeout`` (then 503);
-4. reserve the memory to decode and preprocess the images (``MediaPolicy.decode_bytes``, in
-   arrival order, at most ``queue_timeout``), decode, encode (one forward pass at a time;
-   skipped if the room failed meanwhile), give it back. Always after step 3: a request that
-   holds decode memory waits for nothing but the encoder, so no wait cycle can form;
+4. with the cluster's embedding cache, take the items it holds, or another request here is
+   encoding, from there (``shared_encodings``); for the rest, reserve the memory to decode and
+   preprocess them (``MediaPolicy.decode_bytes``, in arrival order, at most ``queue_timeout``),
+   decode, encode (one forward pass at a time; skipped if the room failed meanwhile), give it
+   back, and write what was encoded to the cache. Always after step 3: a request that holds
+   decode memory waits for nothing but the encoder, so no wait cycle can form;
 5. hand the embedding to the room's sender, which places it in pool blocks and writes it in
    as many rounds as the language side asks for;
 6. answer once every destination has every token (200), or with the failure's status: 5xx
@@ -35,6 +37,7 @@ asleep and continues those rooms after ``/wake_up``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
@@ -44,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from prometheus_client import Counter
 
 from connector import (
     AUX_INTS,
@@ -68,13 +72,15 @@ from connector import (
     checkpoint as checkpoint_files,
 )
 from embedding_side import checkpoint
-from embedding_side.audio import AudioClip, open_audio
 from embedding_side.audio import decode_bytes as audio_decode_bytes
-from embedding_side.encoders import VisionEncoder, decode_bytes, tokens_for
-from embedding_side.images import ImageInputError, MediaPolicy, decode_image, is_remote, open_image
+from embedding_side.audio import open_audio
+from embedding_side.encoders import EncodedImages, VisionEncoder, decode_bytes, tokens_for
+from embedding_side.images import ImageInputError, MediaPolicy, decode_image, fetch_media, is_remote, open_image_bytes
 from embedding_side.positions import image_positions, sequence_positions
-from embedding_side.videos import VideoClip, open_video
+from embedding_side.shared_encodings import SharedEncodings, join_items, split_items
 from embedding_side.videos import decode_bytes as video_decode_bytes
+from embedding_side.videos import open_video
+from worker_infra.embedding_store import EmbeddingStore
 from worker_infra.http import wait_for_future
 from worker_infra.metrics import WorkerMetrics
 from worker_infra.sleep import SleepGate, WorkerState
@@ -107,11 +113,13 @@ async def _unless_failed(sender: EmbeddingSender, work: Future, timeout: float |
 class EncodeWorker:
     def __init__(self, config: ConnectorConfig, encoder: VisionEncoder, bootstrap_port: int,
                  media: MediaPolicy | None = None, queue_while_sleeping: bool = False,
-                 checkpoint_dir: str | None = None) -> None:
+                 checkpoint_dir: str | None = None, store: EmbeddingStore | None = None) -> None:
         if encoder.hidden_size != config.hidden_size:
             raise ValueError(f"encoder output width {encoder.hidden_size} != configured hidden size {config.hidden_size}")
         self.config, self.encoder, self.media = config, encoder, media or MediaPolicy()
         self.checkpoint_dir = checkpoint_dir
+        # the cluster's embedding cache, and this worker's items being encoded now (None: neither)
+        self.shared = SharedEncodings(store, encoder.fingerprint) if store is not None else None
         self.pool = BufferPool(config.num_blocks, config.block_size, config.hidden_size, config.dtype)
         self.allocator = BlockAllocator(config.num_blocks)
         self.transport = worker_transport(config)
@@ -136,6 +144,11 @@ class EncodeWorker:
         self._idle = threading.Condition(self._lock)
         self.metrics = WorkerMetrics("encode", lambda: pool_blocks(self.allocator), self._queues,
                                      self.sender.rejections.snapshot)
+        self.items = Counter("epd_encoder_items", "Images, videos and clips by where their embedding came from: "
+                             "encoded here, or reused (the cluster's cache, or a request here encoding it)", ["source"],
+                             registry=self.metrics.registry)
+        for collector in store.collectors if store is not None else ():
+            self.metrics.registry.register(collector)
         self._restart = bool(checkpoint_dir) and checkpoint_files.exists(checkpoint_dir, checkpoint.ROLE)
         if self._restart:  # a checkpoint waits on disk: boot asleep until /wake_up
             self.sender.pause()
@@ -244,22 +257,23 @@ class EncodeWorker:
         sender.failure_exception()  # aborted by its language peer before it arrived
         try:
             reader = self._fetchers if any(is_remote(ref) for ref in refs) else self._loaders
-            items = await loop.run_in_executor(reader, self._open, modality, refs)
+            items, digests = await loop.run_in_executor(reader, self._open, modality, refs)
         except ImageInputError as exc:
             raise TransferFailure(FailureKind.BAD_REQUEST, str(exc)) from None
         try:
             if modality == "image":
-                tokens = sum(tokens_for(image, self.encoder) for image in items)
-                decode_need = sum(decode_bytes(image, self.encoder.resize) for image in items)
+                item_tokens = [tokens_for(image, self.encoder) for image in items]
+                decode_needs = [decode_bytes(image, self.encoder.resize) for image in items]
             elif modality == "video":
                 samplings = [self.encoder.video_sampling(clip) for clip in items]
-                tokens = sum(sampling.tokens for sampling in samplings)
-                decode_need = sum(map(video_decode_bytes, items, samplings))
+                item_tokens = [sampling.tokens for sampling in samplings]
+                decode_needs = list(map(video_decode_bytes, items, samplings))
             else:
-                tokens = sum(self.encoder.audio_tokens(clip) for clip in items)
-                decode_need = sum(map(audio_decode_bytes, items))
+                item_tokens = [self.encoder.audio_tokens(clip) for clip in items]
+                decode_needs = list(map(audio_decode_bytes, items))
         except ValueError as exc:  # e.g. an aspect ratio Qwen refuses, a clip too short to sample
             raise TransferFailure(FailureKind.BAD_REQUEST, f"cannot encode: {exc}") from None
+        tokens, decode_need = sum(item_tokens), sum(decode_needs)
         if self.sender.blocks_for(tokens) > self.config.num_blocks:
             raise TransferFailure(FailureKind.TOO_LARGE, f"the embedding needs {self.sender.blocks_for(tokens)} "
                                                          f"blocks ({tokens} tokens); the encode pool has "
@@ -271,6 +285,49 @@ class EncodeWorker:
         await self._granted(sender, sender.admit(self.sender.staged_bytes_for(tokens)), lambda: (
             f"no host memory for the embedding within {self.config.queue_timeout:g}s ({self.sender.staging.used} "
             f"of {self.config.staging_bytes} bytes staged)"))
+        started = time.monotonic()
+        keys = self.shared.keys(modality, digests) if self.shared is not None else []
+        reused, claims = await self.shared.reuse(keys, lambda claim: _unless_failed(sender, claim)) if keys else ({}, {})
+        todo = [i for i in range(len(items)) if i not in reused or reused[i].rows.shape[0] != item_tokens[i]]
+        try:
+            encoded = await self._encode_items(sender, modality, [items[i] for i in todo], [refs[i] for i in todo],
+                                               sum(decode_needs[i] for i in todo))
+            fresh = split_items(encoded, self.encoder.merge_size) if encoded is not None and (claims or reused) else []
+            if claims:
+                self.shared.settle(claims, [keys[i] for i in todo], fresh)
+        finally:
+            if claims:
+                self.shared.abandon(claims)
+        self.items.labels("encoded").inc(len(todo))
+        self.items.labels("reused").inc(len(refs) - len(todo))
+        if len(todo) < len(refs):  # some reused: the request's items joined in order
+            made = dict(zip(todo, fresh, strict=True))
+            encoded = join_items([made.get(i) or reused[i] for i in range(len(refs))], self.encoder.hidden_size)
+        embedding = self._embedding(modality, encoded)
+        if embedding.num_tokens != tokens:  # the staging reserved above was for the tokens foreseen
+            # a video whose frames are not what its header says is the input's fault; an image's
+            # size (and a clip's length) come from what was decoded, so there it would be this worker's
+            raise TransferFailure(FailureKind.BAD_REQUEST if modality == "video" else FailureKind.INTERNAL,
+                                  f"the encoder made {embedding.num_tokens} tokens of these {modality}s where their "
+                                  f"headers gave {tokens}")
+        encoded_at = time.monotonic()  # decode, preprocess and forward pass
+        sender.send(embedding)
+        log.info("rid=%s room=%d: %d %ss -> %d tokens%s", rid, sender.room, len(refs), modality,
+                 embedding.num_tokens, f" ({len(refs) - len(todo)} reused)" if len(todo) < len(refs) else "")
+        # On a thread, beside the transfer: 40-60 ms for a 4K image's rows, which would hold up
+        # this loop's other requests (and the language side's health probes) meanwhile.
+        sha256 = await asyncio.to_thread(embedding.sha256)
+        return {"rid": rid, "modality": modality, "num_tokens": embedding.num_tokens,
+                "hidden_size": embedding.hidden_size, "dtype": embedding.dtype, "sha256": sha256,
+                "grid_thw": [list(g) for g in encoded.grid_thw], **encoded.extras,
+                "encode_ms": round((encoded_at - started) * 1e3, 3), "reused": len(refs) - len(todo),
+                "preprocessing": self.encoder.fingerprint()}, encoded_at
+
+    async def _encode_items(self, sender: EmbeddingSender, modality: str, items: list, refs: list[str],
+                            decode_need: int) -> EncodedImages | None:
+        """Decode (images) and encode ``items`` within the decode budget (None: no items)."""
+        if not items:
+            return None
         with self._lock:
             decode_grant = self.decoding.request(sender.room, decode_need, urgent=False)
         work: Future | None = None  # the decode or forward pass under way on a worker thread
@@ -278,7 +335,6 @@ class EncodeWorker:
             await self._granted(sender, decode_grant, lambda: (
                 f"no memory to decode the {modality}s within {self.config.queue_timeout:g}s ({self.decoding.used} "
                 f"of {self.decoding.limit} decode bytes in use)"))
-            started = time.monotonic()
             if modality == "image":  # a video or audio clip is decoded by the encoder itself
                 try:
                     work = self._loaders.submit(self._decode, items, refs)
@@ -297,23 +353,7 @@ class EncodeWorker:
                 work.add_done_callback(release)
             else:
                 release()
-        embedding, grids, extras = encoded
-        if embedding.num_tokens != tokens:  # the staging reserved above was for the tokens foreseen
-            # a video whose frames are not what its header says is the input's fault; an image's
-            # size (and a clip's length) come from what was decoded, so there it would be this worker's
-            raise TransferFailure(FailureKind.BAD_REQUEST if modality == "video" else FailureKind.INTERNAL,
-                                  f"the encoder made {embedding.num_tokens} tokens of these {modality}s where their "
-                                  f"headers gave {tokens}")
-        encoded_at = time.monotonic()  # decode, preprocess and forward pass
-        sender.send(embedding)
-        log.info("rid=%s room=%d: %d %ss -> %d tokens", rid, sender.room, len(refs), modality, embedding.num_tokens)
-        # On a thread, beside the transfer: 40-60 ms for a 4K image's rows, which would hold up
-        # this loop's other requests (and the language side's health probes) meanwhile.
-        sha256 = await asyncio.to_thread(embedding.sha256)
-        return {"rid": rid, "modality": modality, "num_tokens": embedding.num_tokens,
-                "hidden_size": embedding.hidden_size, "dtype": embedding.dtype, "sha256": sha256,
-                "grid_thw": grids, **extras, "encode_ms": round((encoded_at - started) * 1e3, 3),
-                "preprocessing": self.encoder.fingerprint()}, encoded_at
+        return encoded
 
     def _release_decoding(self, room: int) -> None:
         with self._lock:
@@ -328,17 +368,23 @@ class EncodeWorker:
         except TimeoutError:
             raise TransferFailure(FailureKind.OVERLOADED, why_not()) from None
 
-    def _open(self, modality: str, refs: list[str]) -> list[Image.Image] | list[VideoClip] | list[AudioClip]:
-        """Each reference fetched and its header read (images not decoded yet)."""
-        opener = {"image": open_image, "video": open_video, "audio": open_audio}[modality]
-        return [opener(ref, self.media) for ref in refs]
+    def _open(self, modality: str, refs: list[str]) -> tuple[list, list[str]]:
+        """Each reference fetched and its header read (images not decoded yet), and the SHA-256
+        of each one's bytes (what the cluster's cache keys it by)."""
+        if modality == "image":
+            fetched = [fetch_media(ref, self.media) for ref in refs]
+            items = [open_image_bytes(data, ref, self.media) for data, ref in zip(fetched, refs, strict=True)]
+        else:
+            items = [(open_video if modality == "video" else open_audio)(ref, self.media) for ref in refs]
+            fetched = [clip.data for clip in items]
+        digests = [hashlib.sha256(data).hexdigest() for data in fetched] if self.shared is not None else []
+        return items, digests
 
     @staticmethod
     def _decode(images: list[Image.Image], refs: list[str]) -> list[Image.Image]:
         return [decode_image(image, ref) for image, ref in zip(images, refs, strict=True)]
 
-    def _run_encoder(self, sender: EmbeddingSender, modality: str,
-                     items: list) -> tuple[Embedding, list[list[int]], dict] | None:
+    def _run_encoder(self, sender: EmbeddingSender, modality: str, items: list) -> EncodedImages | None:
         """One forward pass (on the compute thread); None when the worker is not awake."""
         with self._lock:
             sender.failure_exception()  # nobody waits for it any more: do no work for it
@@ -357,6 +403,10 @@ class EncodeWorker:
             with self._idle:
                 self._computing -= 1
                 self._idle.notify_all()
+        return encoded
+
+    def _embedding(self, modality: str, encoded: EncodedImages) -> Embedding:
+        """The encoded rows with their positions, as the connector sends them."""
         if modality == "audio":  # its grids are token counts
             fill_ids, mrope, delta = sequence_positions(len(encoded.embeddings), self.encoder.audio_token_id)
         else:
@@ -365,7 +415,7 @@ class EncodeWorker:
         emb = Embedding(encoded.embeddings, fill_ids, mrope, np.zeros(AUX_INTS, np.int32), self.config.hidden_size,
                         self.config.dtype)
         emb.aux[0], emb.aux[1] = emb.num_tokens, delta
-        return emb, [list(g) for g in encoded.grid_thw], encoded.extras
+        return emb
 
     # ---- health, sleep, wake -------------------------------------------------------------------------
 
@@ -480,4 +530,6 @@ class EncodeWorker:
         self._compute.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
         self.bootstrap.close()
+        if self.shared is not None:
+            self.shared.store.close()
         self.transport.close(release=not exiting)

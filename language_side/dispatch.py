@@ -1,8 +1,12 @@
 """One request's images, encoded by the encoders of ``--encoder-urls`` and received by this worker.
 
-A request's images are split into contiguous parts, one per encoder picked by load (the fewest
-outstanding image tokens first, an estimate until an encoder answers with the true count), and
-more parts where one would pass the images an encoder takes per ``/encode``; each
+A request's images are split into contiguous parts, one per encoder, and more parts where one
+would pass the images an encoder takes per ``/encode``. A part goes to the encoder its first
+image hashes to (rendezvous hashing of the image's SHA-256, or of its reference when this worker
+does not hold its bytes, over the healthy encoders), so an image comes back to the encoder that
+has it, unless that encoder has :data:`AFFINITY_SLACK_IMAGES` images' worth of tokens or more
+outstanding beyond the least loaded one, which then takes it (outstanding image tokens: an
+estimate until an encoder answers with the true count); each
 part has its own room and is received like any two-request transfer (rounds and resumes as
 needed); the parts are joined in image order, each part's digest checked against the one its
 encoder reported. A part whose encoder cannot be reached, is busy (408/429/503) or fails is sent
@@ -18,7 +22,10 @@ about the images: the client's error, with that status, not retried. This worker
 refusals (asleep, over its queue) pass through as they are.
 
 Embeddings of ``data:`` images are kept in an :class:`EmbeddingCache` under the fingerprint of
-the encoder that made them and read back under the one every encoder reports.
+the encoder that made them and read back under the one every encoder reports. With the cluster's
+cache (``--mm-global-cache``: Mooncake Store, which the encoders fill), an image this worker has
+not kept is looked up there next, and one found is not sent to an encoder at all; an entry that
+fails its check, or a store that does not answer in time, is a miss.
 
 Videos and audio clips (:meth:`EncoderDispatch.embed_media`) go the same way, each video a part
 of its own (an encoder encodes videos one at a time), to encoders whose ``/health`` lists that
@@ -30,6 +37,7 @@ not cached.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 import time
@@ -40,10 +48,11 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from connector import FailureKind, TransferFailure
-from language_side.embedding_cache import EmbeddingCache, cache_key, image_digest, split_rows
-from language_side.layout import MERGE, LayoutError, grids_from_positions
+from language_side.embedding_cache import EmbeddingCache, Grid, cache_key, image_digest, split_rows
+from language_side.layout import MERGE, LayoutError, grids_from_positions, image_token_count
 from language_side.transfer_meta import TransferMeta
 from language_side.worker import LanguageWorker
+from worker_infra.embedding_store import EmbeddingStore, media_key
 from worker_infra.http import encoder_host, wait_for_future
 
 log = logging.getLogger(__name__)
@@ -52,6 +61,10 @@ PROBE_INTERVAL = 1.0  # seconds between /health probes of an encoder taken out o
 WATCH_INTERVAL = 2.0  # seconds between the background /health probes of every encoder
 ENCODER_MAX_IMAGES = 16  # images per /encode an encoder takes until its /health says otherwise
 FIRST_ESTIMATE = 1024  # image tokens assumed for an image before any encoder has answered
+# the hashed encoder takes a part unless it is this many images busier than the least loaded: the
+# same image sent at once by two requests goes to one encoder (which encodes it once) unless that
+# one is this far behind
+AFFINITY_SLACK_IMAGES = 4
 ABOUT_THE_IMAGES = frozenset({FailureKind.BAD_REQUEST, FailureKind.TOO_LARGE})
 REFUSAL_GRACE_S = 2.0  # how long a room failed for its images waits for the encoder's own refusal
 # an encoder's refusals for capacity: another encoder may take the part
@@ -99,12 +112,13 @@ class Embedded:
 
 class EncoderDispatch:
     def __init__(self, urls: list[str], worker: LanguageWorker, cache: EmbeddingCache, max_attempts: int = 3,
-                 encode_timeout: float = 600.0) -> None:
+                 encode_timeout: float = 600.0, store: EmbeddingStore | None = None) -> None:
         self.encoders = [Encoder(url.rstrip("/"), encoder_host(url)) for url in urls]
         self.worker, self.max_attempts = worker, max_attempts
         self.timeout = aiohttp.ClientTimeout(total=encode_timeout, sock_connect=5)
         self.tokens_per_image = FIRST_ESTIMATE
         self.cache = cache
+        self.store = store  # the cluster's embedding cache (Mooncake Store), read after this worker's
         self.fingerprints: dict[str, str] = {}  # each probed encoder's preprocessing fingerprint, by URL
         self._session: aiohttp.ClientSession | None = None
         self._watching: asyncio.Task | None = None
@@ -120,11 +134,15 @@ class EncoderDispatch:
             outstanding.labels(enc.url).set_function(lambda enc=enc: enc.outstanding)
         self.cache_hits = Counter("epd_embedding_cache_hits", "Images whose embedding came from the cache",
                                   registry=r)
+        for collector in store.collectors if store is not None else ():
+            r.register(collector)
         for name, doc, read in (("epd_embedding_cache_bytes", "Bytes of embeddings in the cache", lambda: cache.used),
                                 ("epd_embedding_cache_entries", "Images in the cache", lambda: len(cache))):
             Gauge(name, doc, registry=r).set_function(read)
 
     async def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
         if self._watching is not None:
             self._watching.cancel()
         if self._session is not None:
@@ -169,7 +187,8 @@ class EncoderDispatch:
         failures as :meth:`embed`'s."""
         self._check_encoders()
         self.watch()
-        return await self._dispatch(rid, refs, modality)
+        digests = await asyncio.to_thread(lambda: [image_digest(s) for s in refs])
+        return await self._dispatch(rid, refs, modality, digests)
 
     def _check_encoders(self) -> None:
         if not self.encoders:
@@ -182,33 +201,46 @@ class EncoderDispatch:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
 
     async def embed(self, rid: str, images: list[str]) -> Embedded:
-        """``images``' embeddings, from the cache or encoded and received; TransferFailure (its
-        kind says the status) or :class:`ImageRefused` when they cannot be had."""
+        """``images``' embeddings, from the caches (this worker's, then the cluster's) or encoded
+        and received; TransferFailure (its kind says the status) or :class:`ImageRefused` when
+        they cannot be had."""
         self._check_encoders()
         self.watch()
-        digests = await asyncio.to_thread(lambda: [image_digest(s) for s in images]) if self.cache.budget else []
-        fingerprint = await self._fingerprint() if any(digests) else None
-        found = {}
+        digests = await asyncio.to_thread(lambda: [image_digest(s) for s in images])
+        cached = self.cache.budget or self.store is not None
+        fingerprint = await self._fingerprint() if cached and any(digests) else None
+        found: dict[int, tuple[np.ndarray, Grid]] = {}
+        from_store = 0
         if fingerprint is not None:
             found = {i: hit for i, digest in enumerate(digests)
                      if digest is not None and (hit := self.cache.get(cache_key(digest, fingerprint))) is not None}
+            self.cache_hits.inc(len(found))
+            if self.store is not None:
+                wanted = [i for i, digest in enumerate(digests) if digest is not None and i not in found]
+                stored = await asyncio.gather(*(self.store.get(media_key("image", digests[i], fingerprint))
+                                                for i in wanted))
+                for i, entry in zip(wanted, stored, strict=True):
+                    if entry is not None and len(entry.grid) == 3 and image_token_count(entry.grid) == len(entry.rows):
+                        found[i] = (entry.rows, entry.grid)
+                        self.cache.put(cache_key(digests[i], fingerprint), entry.rows, entry.grid)
+                        from_store += 1
         missing = [i for i in range(len(images)) if i not in found]
-        self.cache_hits.inc(len(found))
-        meta = TransferMeta(encode_ms=0.0)  # nothing encoded: every image from the cache
+        meta = TransferMeta(encode_ms=0.0)  # nothing encoded: every image from a cache
         if missing:
-            sent = await self._dispatch(rid, [images[i] for i in missing])
+            sent = await self._dispatch(rid, [images[i] for i in missing], "image", [digests[i] for i in missing])
             meta = sent.meta
             for i, rows, grid, made_by in zip(missing, split_rows(sent.rows, sent.grids), sent.grids,
                                               sent.fingerprints, strict=True):
                 found[i] = (rows, grid)
-                if digests and digests[i] is not None and made_by is not None:  # keyed by what made it
+                if digests[i] is not None and made_by is not None:  # keyed by what made it
                     self.cache.put(cache_key(digests[i], made_by), rows, grid)
         ordered = [found[i] for i in range(len(images))]
-        # nothing from the cache: the parts' rows are already joined in order (no second copy)
+        # nothing from a cache: the parts' rows are already joined in order (no second copy)
         whole = len(missing) == len(images)
         rows = sent.rows if whole else np.concatenate([r for r, _ in ordered])
         return Embedded(rows, [g for _, g in ordered],
-                        meta=replace(meta, num_tokens=len(rows), cached_images=len(images) - len(missing)),
+                        meta=replace(meta, num_tokens=len(rows), cached_images=len(images) - len(missing) - from_store,
+                                     stored_images=from_store if self.store is not None else None),
                         rows_sha256=sent.rows_sha256 if whole else None)
 
     async def _fingerprint(self) -> str | None:
@@ -225,15 +257,19 @@ class EncoderDispatch:
             return None
         return next(iter(self.fingerprints.values()))
 
-    async def _dispatch(self, rid: str, refs: list[str], modality: str = "image") -> Embedded:
+    async def _dispatch(self, rid: str, refs: list[str], modality: str = "image",
+                        digests: list[str | None] | None = None) -> Embedded:
         """One part per healthy encoder (fewer parts than images), more when a part would pass
         the images an encoder takes per request (any encoder may get any part); one part per
-        video."""
+        video. A part goes where its first item hashes (its digest, when known, else its
+        reference), load permitting."""
         healthy = [e for e in self.encoders if e.healthy] or self.encoders
         per_part = 1 if modality == "video" else max(1, min(e.max_images for e in self.encoders))
         count = max(min(len(healthy), len(refs)), -(-len(refs) // per_part))
         bounds = np.linspace(0, len(refs), count + 1).astype(int)
-        tasks = [asyncio.ensure_future(self._part(rid, i, refs[a:b], modality))
+        affinity = [digest or hashlib.sha256(ref.encode()).hexdigest()
+                    for ref, digest in zip(refs, digests or [None] * len(refs), strict=True)]
+        tasks = [asyncio.ensure_future(self._part(rid, i, refs[a:b], modality, affinity[a]))
                  for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
         try:
             parts = await asyncio.gather(*tasks)
@@ -250,12 +286,13 @@ class EncoderDispatch:
                                 for key in {key for p in parts for key in p.extras}},
                         rows_sha256=parts[0].rows_sha256 if len(parts) == 1 else None)
 
-    async def _part(self, rid: str, index: int, images: list[str], modality: str = "image") -> Embedded:
+    async def _part(self, rid: str, index: int, images: list[str], modality: str = "image",
+                    affinity: str | None = None) -> Embedded:
         tried: set[str] = set()
         last: _EncoderFault | None = None
         only_busy = True  # every encoder tried answered 429/503 (over its queue, or asleep)
         for attempt in range(1, self.max_attempts + 1):
-            enc = await self._pick(tried, modality)
+            enc = await self._pick(tried, modality, affinity)
             if enc is None:
                 break
             tried.add(enc.url)
@@ -299,9 +336,10 @@ class EncoderDispatch:
                                     f"{len(self.encoders)} encoders, one attempt each, at most {self.max_attempts}"
                                     f"{why}): {last or 'no encoder answers /health'}")
 
-    async def _pick(self, tried: set[str], modality: str = "image") -> Encoder | None:
-        """The healthy encoder with the fewest outstanding tokens not tried yet (and not known to
-        refuse ``modality``). One out of rotation comes back once its /health answers (asked at
+    async def _pick(self, tried: set[str], modality: str = "image", affinity: str | None = None) -> Encoder | None:
+        """The healthy encoder not tried yet (and not known to refuse ``modality``) that
+        ``affinity`` hashes to, or the least loaded one when that one is busier by a slack (see
+        the module docstring). One out of rotation comes back once its /health answers (asked at
         most once a second, or at once when no other is left)."""
         now = time.monotonic()
         left = [e for e in self.encoders if e.url not in tried and (e.modalities is None or modality in e.modalities)]
@@ -310,7 +348,15 @@ class EncoderDispatch:
             if not enc.healthy and (none_healthy or now >= enc.next_probe):
                 enc.next_probe = now + PROBE_INTERVAL
                 enc.healthy = await self._probe(enc)
-        return min((e for e in left if e.healthy), key=lambda e: e.outstanding, default=None)
+        healthy = [e for e in left if e.healthy]
+        if not healthy:
+            return None
+        least = min(healthy, key=lambda e: e.outstanding)
+        if affinity is None:
+            return least
+        hashed = max(healthy, key=lambda e: hashlib.sha256(f"{affinity}|{e.url}".encode()).digest())
+        slack = AFFINITY_SLACK_IMAGES * self.tokens_per_image
+        return hashed if hashed.outstanding < least.outstanding + slack else least
 
     async def _probe(self, enc: Encoder) -> bool:
         assert self._session is not None

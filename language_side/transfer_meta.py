@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COUNTS = ("num_tokens", "resume_rounds", "encoder_retries", "cached_images")  # joined: added
+COUNTS = ("num_tokens", "resume_rounds", "encoder_retries", "cached_images", "stored_images")  # joined: added
 TIMES = ("transfer_ms", "copy_ms", "encode_ms", "encoder_wait_ms", "queue_ms")  # joined: the longest
 # in a response's meta_info (those given: a two-request room's has no encode_ms of ours and no cache)
 RESPONSE_FIELDS = ("resume_rounds", "transfer_ms", "copy_ms", "encode_ms", "encoder_wait_ms", "queue_ms",
-                   "encoder_retries", "cached_images", "sha256")
+                   "encoder_retries", "cached_images", "stored_images", "sha256")
 
 
 @dataclass
@@ -18,7 +18,8 @@ class TransferMeta:
     num_tokens: int = 0
     resume_rounds: int = 0
     encoder_retries: int = 0
-    cached_images: int | None = None  # images: how many came from the embedding cache
+    cached_images: int | None = None  # images: how many came from this worker's embedding cache
+    stored_images: int | None = None  # images: how many came from the cluster's (Mooncake Store)
     transfer_ms: float = 0.0  # from the init to the assembled embedding (the encoder's wait included)
     copy_ms: float = 0.0  # from the landing to the rows out of the pool
     encode_ms: float | None = None  # the encoder's decode, preprocessing and forward pass

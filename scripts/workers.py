@@ -13,11 +13,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
+import requests
 import worker_zygote
 from aiohttp.test_utils import TestServer
 
@@ -243,3 +244,71 @@ class InProcessWorker:
             self._thread.join(30)
             self._loop.close()
             worker.close()
+
+
+@contextlib.contextmanager
+def smg_gateway(worker_urls: list[str], log_path: Path, host: str = "127.0.0.1", bind: str | None = None,
+                prefix: tuple[str, ...] = ()) -> Iterator[str]:
+    """smg in plain routing (round robin over ``worker_urls``), run with ``prefix`` (a simulated
+    host's ``ip netns exec``), bound to ``bind`` or ``host``; its URL once it is ready."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        router = subprocess.Popen([*prefix, str(Path(sys.executable).parent / "smg"), "launch", "--worker-urls",
+                                   *worker_urls, "--host", bind or host, "--port", str(port), "--policy", "round_robin",
+                                   "--prometheus-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://{host}:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert router.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            try:
+                if requests.get(f"{url}/readiness", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        router.terminate()
+        router.wait(30)
+
+
+class MooncakeMaster:
+    """``mooncake_master`` (Mooncake Store's master: the cluster's embedding cache) on ``host``,
+    run with ``prefix`` (a simulated host's ``ip netns exec``), its RPC port picked; no HTTP
+    metadata server (the workers' store clients use P2P handshakes)."""
+
+    def __init__(self, log_path: Path, host: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> None:
+        import mooncake
+
+        self.port = free_port()
+        self.address = f"{host}:{self.port}"
+        with open(log_path, "w") as log:
+            self.process = subprocess.Popen([*prefix, str(Path(mooncake.__file__).parent / "mooncake_master"),
+                                             f"--rpc_port={self.port}", f"--metrics_port={free_port()}",
+                                             "--logtostderr=true", "--minloglevel=1"], stdout=log,
+                                            stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not _listening(host, self.port):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mooncake_master did not start:\n{Path(log_path).read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        return True
+    except OSError:
+        return False

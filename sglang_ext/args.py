@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from connector import SETTINGS, ConnectorConfig, Setting
+from connector import DTYPE_SIZES, SETTINGS, ConnectorConfig, Setting
 from embedding_side.images import (
     DEFAULT_DECODE_BYTES,
     DEFAULT_MAX_AUDIO_SECONDS,
@@ -24,8 +24,12 @@ from embedding_side.images import (
     DEFAULT_MAX_VIDEO_PIXELS,
     DEFAULT_TIMEOUT_S,
 )
+from worker_infra.embedding_store import EmbeddingStore, StoreSettings
 
 MODES = ("encode", "language")
+DEFAULT_SEGMENT_BYTES = 512 << 20
+DEFAULT_STORE_TIMEOUT_S = 2.0
+MAX_STORE_HEADER_BYTES = 1 << 20
 DEFAULT_MAX_IMAGES = 16  # per request, as an encoder takes per /encode
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 
@@ -147,6 +151,21 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                         "checkpoint in it boots asleep and continues the requests on /wake_up")
     g.add_argument("--queue-while-sleeping", action="store_true",
                    help="requests that arrive while asleep wait for the wake-up instead of getting 503")
+    c = parser.add_argument_group("the cluster's embedding cache (Mooncake Store; off unless --mm-global-cache-master)")
+    c.add_argument("--mm-global-cache-master", default=None, metavar="HOST:PORT",
+                   help="Mooncake master of the embedding cache every encode worker and language server of the "
+                        "cluster shares (its RPC port, 50051 by default): an image, video or clip any encoder has "
+                        "encoded is read from it, not encoded again; see docs/global_cache.md (default: off)")
+    c.add_argument("--mm-global-cache-metadata", default="P2PHANDSHAKE", metavar="URL",
+                   help="the store's transfer-engine metadata: P2PHANDSHAKE (peers tell each other, nothing to run) "
+                        "or a metadata server's URL, e.g. the master's own (http://MASTER:8080/metadata with "
+                        "mooncake_master --enable_http_metadata_server=true) (default %(default)s)")
+    c.add_argument("--mm-global-cache-segment-bytes", type=int, default=DEFAULT_SEGMENT_BYTES, metavar="BYTES",
+                   help="host memory this worker lends the store for entries (0: none; it reads and writes in "
+                        "others') (default %(default)s)")
+    c.add_argument("--mm-global-cache-timeout", type=float, default=DEFAULT_STORE_TIMEOUT_S, metavar="SECONDS",
+                   help="bound of each call to the store (a lookup, a write, the set-up): past it the cache counts "
+                        "as unavailable for a few seconds and media are encoded without it (default %(default)s)")
     env_only = [f"{s.env}: {s.help} (default {getattr(d, s.name)})" for s in SETTINGS if s.env and not s.flag]
     parser.add_argument_group("connector settings given by environment variable only", "; ".join(env_only))
     m = parser.add_argument_group("media access (encode side; what a request may name)")
@@ -227,3 +246,23 @@ def connector_config(args: argparse.Namespace) -> ConnectorConfig:
         raise SystemExit(f"--tp-size {args.tp_size}: only 1 is supported by the encode/language workers")
     return ConnectorConfig.from_env(hidden_size=embedding_width(args),
                                     **{s.name: getattr(args, s.dest) for s in SETTINGS if s.flag})
+
+
+def global_cache(args: argparse.Namespace, config: ConnectorConfig) -> EmbeddingStore | None:
+    """The cluster's embedding cache ``--mm-global-cache-*`` ask for (None: off), not connected yet.
+    An entry is at most one pool's worth of rows (what a language worker could take)."""
+    master = getattr(args, "mm_global_cache_master", None)
+    if not master:
+        return None
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"error: --mm-global-cache-master {master!r}: give HOST:PORT (the master's RPC port)")
+    if args.mm_global_cache_segment_bytes < 0 or args.mm_global_cache_timeout <= 0:
+        raise SystemExit("error: --mm-global-cache-segment-bytes must be 0 or more, --mm-global-cache-timeout "
+                         "more than 0")
+    row_bytes = config.hidden_size * DTYPE_SIZES[config.dtype]
+    return EmbeddingStore(StoreSettings(
+        master=master, metadata=args.mm_global_cache_metadata,
+        local_host=config.public_host, segment_bytes=args.mm_global_cache_segment_bytes,
+        timeout_s=args.mm_global_cache_timeout, secret=config.secret,
+        max_entry_bytes=config.num_blocks * config.block_size * row_bytes + MAX_STORE_HEADER_BYTES))

@@ -298,7 +298,7 @@ def _start_receiver(ours: argparse.Namespace, manager):
     from language_side.dispatch import EncoderDispatch
     from language_side.embedding_cache import EmbeddingCache
     from language_side.worker import LanguageWorker
-    from sglang_ext.args import connector_config
+    from sglang_ext.args import connector_config, global_cache
     from sglang_ext.language_flags import starts_asleep
     from sglang_ext.mm_receiver import ResumableReceiver
 
@@ -309,7 +309,11 @@ def _start_receiver(ours: argparse.Namespace, manager):
     config = connector_config(ours)
     worker = LanguageWorker(config, checkpoint_dir=ours.checkpoint_dir, consumer=EmbeddingCopy(),
                             queue_while_sleeping=ours.queue_while_sleeping)
-    dispatch = EncoderDispatch(ours.encoder_urls or [], worker, EmbeddingCache(ours.image_embedding_cache_bytes))
+    store = global_cache(ours, config)
+    if store is not None:
+        store.connect()  # bounded; a master not answering now is tried again later
+    dispatch = EncoderDispatch(ours.encoder_urls or [], worker, EmbeddingCache(ours.image_embedding_cache_bytes),
+                               store=store)
     receiver = ResumableReceiver(dispatch, manager.model_config.dtype, keep_inputs=bool(ours.checkpoint_dir),
                                  limits=manager.server_args.limit_mm_data_per_request or {})
     from_disk = starts_asleep(ours)

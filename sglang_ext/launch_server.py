@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sglang_ext.args import add_worker_args, connector_config, resolve_mode
+from sglang_ext.args import add_worker_args, connector_config, global_cache, resolve_mode
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -65,8 +65,11 @@ def build(args: argparse.Namespace, encoder=None) -> Built:  # noqa: ANN001 - a 
                                    decode_bytes=args.decode_memory_bytes, max_video_frames=args.max_video_frames,
                                    max_video_pixels=args.max_video_pixels,
                                    max_audio_seconds=args.max_audio_seconds)
+        store = global_cache(args, config)
+        if store is not None:
+            store.connect()  # bounded; a master not answering now is tried again later
         worker = EncodeWorker(config, encoder, args.disaggregation_bootstrap_port, media, args.queue_while_sleeping,
-                              args.checkpoint_dir)
+                              args.checkpoint_dir, store)
         if warming is not None:
             _warmed(warming, worker)
         extra = (f" bootstrap=http://{config.public_host}:{worker.bootstrap.port} "

@@ -177,10 +177,11 @@ class ResumableReceiver:
         if self.keep_inputs and list(embedded) == ["image"]:
             self._inputs[rid] = (embedded["image"].rows, embedded["image"].grids, request_obj.image_data)
         self._transfer_meta[rid] = meta.response_fields()
-        log.info("rid=%s: %s tokens from %s, %d resume rounds, transfer %.0f ms, %d cached image(s); SGLang's inputs "
-                 "built in %.0f ms, %d item hash(es) from the connector's digest, %d handed over in shared memory",
-                 rid, ", ".join(f"{len(part.rows)} {kind}" for kind, part in embedded.items()),
-                 meta.encoders, meta.resume_rounds, meta.transfer_ms, meta.cached_images or 0, built_ms, len(digested),
+        log.info("rid=%s: %s tokens from %s, %d resume rounds, transfer %.0f ms, %d cached image(s), %d from the "
+                 "cluster's cache; SGLang's inputs built in %.0f ms, %d item hash(es) from the connector's digest, %d "
+                 "handed over in shared memory", rid, ", ".join(f"{len(part.rows)} {kind}" for kind, part in embedded.items()),
+                 meta.encoders, meta.resume_rounds, meta.transfer_ms, meta.cached_images or 0, meta.stored_images or 0,
+                 built_ms, len(digested),
                  len(self._segments.get(rid, [])))
         return inputs
 

@@ -15,7 +15,7 @@ import requests
 import torch
 from image_cache import saved_image
 from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs
-from workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, start_together  # noqa: F401  (the modules import them here)
+from workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, smg_gateway, start_together  # noqa: F401  (the modules import them here)
 
 ROOT = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 12
@@ -179,39 +179,6 @@ def sglang_pair(folder: str, *language_flags: str) -> Iterator[tuple[WorkerProce
     finally:
         language.stop()
         encode.stop()
-
-
-@contextlib.contextmanager
-def smg_gateway(worker_urls: list[str], log_path: Path, host: str = "127.0.0.1", bind: str | None = None,
-                prefix: tuple[str, ...] = ()) -> Iterator[str]:
-    """smg in plain routing (round robin over ``worker_urls``), run with ``prefix`` (a simulated
-    host's ``ip netns exec``), bound to ``bind`` or ``host``; its URL once it is ready."""
-    import subprocess
-    import sys
-    import time
-
-    from workers import free_port
-
-    port = free_port()
-    with open(log_path, "w") as log:
-        router = subprocess.Popen([*prefix, str(Path(sys.executable).parent / "smg"), "launch", "--worker-urls",
-                                   *worker_urls, "--host", bind or host, "--port", str(port), "--policy", "round_robin",
-                                   "--prometheus-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://{host}:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert router.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            try:
-                if requests.get(f"{url}/readiness", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        router.terminate()
-        router.wait(30)
 
 
 def metric(worker: WorkerProcess, name: str) -> float:

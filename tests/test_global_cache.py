@@ -1,0 +1,193 @@
+"""The cluster's embedding cache on a real Mooncake Store (``mooncake_master``) between two encode
+workers (SGLang's encoder) and two SGLang language servers: an image one server had encoded is
+taken from the store by the other, with no forward pass; an image sent by path is encoded once
+for both servers; a forged or changed entry, or one of another fingerprint, never reaches a
+prefill; the master killed mid-trace costs no request its answer. The language servers keep no
+cache of their own here, so every image is looked up in the cluster's. Every answer is checked against
+transformers' monolithic model on the seeded checkpoint."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from monolithic import greedy_mismatch
+from sglang_stack import encode_worker, encoder_health, generate, image_reference, language_server, metric, write_images
+from workers import MooncakeMaster, WorkerProcess, start_together
+
+from worker_infra.embedding_store import media_key, pack, unpack
+
+pytestmark = pytest.mark.sglang
+
+SECRET = "the-cluster-secret-of-the-cache-tests"
+ENCODED = 'epd_encoder_items_total{source="encoded"}'
+REUSED = 'epd_encoder_items_total{source="reused"}'
+PUT = 'epd_global_cache_puts_total{outcome="ok"}'
+
+
+@dataclass
+class Cluster:
+    encoders: list[WorkerProcess]
+    languages: list[WorkerProcess]
+
+    def total(self, name: str) -> float:
+        return sum(metric(encoder, name) for encoder in self.encoders)
+
+
+@pytest.fixture(scope="module")
+def folder(seeded_checkpoint) -> str:
+    return seeded_checkpoint(256, layers=2)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> dict[str, str]:
+    return write_images(tmp_path_factory.mktemp("cache-images"))
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return image_reference(folder)
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    master = MooncakeMaster(tmp_path_factory.mktemp("master") / "master.log")
+    yield master
+    master.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(folder, master):
+    flags = ("--mm-global-cache-master", master.address, "--control-secret", SECRET)
+    encoders = start_together(*[lambda: encode_worker(folder, *flags, "--mm-global-cache-segment-bytes",
+                                                      str(256 << 20))] * 2)
+    try:
+        # their own caches off: every image is looked up in the cluster's
+        languages = start_together(*[lambda: language_server(folder, [e.url for e in encoders], *flags,
+                                                             "--image-embedding-cache-bytes", "0")] * 2)
+    except BaseException:
+        for encoder in encoders:
+            encoder.stop()
+        raise
+    yield Cluster(encoders, languages)
+    for worker in (*languages, *encoders):
+        worker.stop()
+
+
+@pytest.fixture
+def store(master):
+    """A store client of the test's own (a worker of the cluster, as far as the master knows)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master.address) == 0
+    yield client
+    client.close()
+
+
+def data_uri(path: str) -> str:
+    return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode()
+
+
+def key_of(cluster: Cluster, path: str, fingerprint: str | None = None) -> str:
+    fingerprint = fingerprint or encoder_health(cluster.encoders[0])["preprocessing"]
+    return media_key("image", hashlib.sha256(Path(path).read_bytes()).hexdigest(), fingerprint)
+
+
+def answer(language: WorkerProcess, path: str, rid: str, reference, by_path: bool = False) -> dict:
+    """A greedy ``/generate`` for the image at ``path`` (a data: URI of it, or its path), checked
+    against the monolithic reference; its ``meta_info``."""
+    got = generate(language, [path if by_path else data_uri(path)], rid)
+    assert got.status_code == 200, got.text
+    body = got.json()
+    assert greedy_mismatch(body["output_ids"], reference([path])) is None
+    return body["meta_info"]
+
+
+def wait_for_puts(cluster: Cluster, count: float, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while cluster.total(PUT) < count:
+        assert time.monotonic() < deadline, f"{cluster.total(PUT)} entries written, {count} expected"
+        time.sleep(0.1)
+
+
+def test_an_image_one_server_had_encoded_is_taken_from_the_store_by_the_other(cluster, images, reference) -> None:
+    encoded, written = cluster.total(ENCODED), cluster.total(PUT)
+    first = answer(cluster.languages[0], images["1920x1080"], "cache-first", reference)
+    assert first["stored_images"] == 0
+    wait_for_puts(cluster, written + 1)
+    for i, language in enumerate(cluster.languages):
+        again = answer(language, images["1920x1080"], f"cache-again-{i}", reference)
+        assert again["stored_images"] == 1 and again["encode_ms"] == 0  # no encoder asked
+    assert cluster.total(ENCODED) == encoded + 1
+
+
+def test_an_image_sent_by_path_is_encoded_once_for_both_servers(cluster, images, reference) -> None:
+    encoded, reused, written = cluster.total(ENCODED), cluster.total(REUSED), cluster.total(PUT)
+    answer(cluster.languages[0], images["448x448"], "path-first", reference, by_path=True)
+    wait_for_puts(cluster, written + 1)
+    answer(cluster.languages[1], images["448x448"], "path-other", reference, by_path=True)
+    assert (cluster.total(ENCODED), cluster.total(REUSED)) == (encoded + 1, reused + 1)
+
+
+def read_entry(store, key: str) -> np.ndarray:
+    blob = np.empty(store.get_size(key), np.uint8)
+    assert store.get_into(key, blob.ctypes.data, blob.nbytes) == blob.nbytes
+    return blob
+
+
+def test_a_forged_or_changed_entry_or_one_of_another_fingerprint_never_reaches_a_prefill(
+        cluster, images, reference, store) -> None:
+    decoy, changed, forged, unread = images["448x448"], images["1920x1080"], images["other"], images["3840x2160"]
+    for i, path in enumerate((decoy, changed)):  # their entries in the store (the tests before wrote them)
+        answer(cluster.languages[0], path, f"in-store-{i}", reference)
+        deadline = time.monotonic() + 30
+        while store.get_size(key_of(cluster, path)) <= 0:
+            assert time.monotonic() < deadline, f"{path} is not in the store"
+            time.sleep(0.1)
+    decoy_item = unpack(key_of(cluster, decoy), read_entry(store, key_of(cluster, decoy)), SECRET.encode())
+    # what the comparison would catch: the decoy's rows in another image's place
+    assert reference([forged]).ids != reference([decoy]).ids
+    entries = {
+        # written by someone without the cluster's secret
+        key_of(cluster, forged): pack(key_of(cluster, forged), decoy_item, b"a guess at the secret"),
+        # well tagged, under another preprocessing's key: never read for this one
+        key_of(cluster, unread, "0" * 32): pack(key_of(cluster, unread, "0" * 32), decoy_item, SECRET.encode()),
+    }
+    real = read_entry(store, key_of(cluster, changed))
+    real[len(real) // 2] ^= 0xFF  # a byte of its rows changed after it was written
+    entries[key_of(cluster, changed)] = real
+    for key, blob in entries.items():
+        assert store.upsert_from(key, blob.ctypes.data, blob.nbytes) == 0
+    rejected = sum(metric(lang, 'epd_global_cache_lookups_total{outcome="rejected"}') for lang in cluster.languages)
+    encoded = cluster.total(ENCODED)
+    for i, path in enumerate((forged, changed, unread)):
+        meta = answer(cluster.languages[1], path, f"forged-{i}", reference)
+        assert meta["stored_images"] == 0
+    assert cluster.total(ENCODED) == encoded + 3
+    assert sum(metric(lang, 'epd_global_cache_lookups_total{outcome="rejected"}')
+               for lang in cluster.languages) == rejected + 2
+    log = "".join(cluster.languages[1].log)
+    assert "held a bad entry under" in log and "its bytes do not match its tag" in log
+
+
+def test_the_master_killed_mid_trace_costs_no_request_its_answer(cluster, master, images, reference) -> None:
+    trace = [images[name] for name in ("448x448", "other", "1920x1080")]
+    answer(cluster.languages[0], trace[0], "before-kill", reference)  # from the store
+    master.kill()
+    encoded = cluster.total(ENCODED)
+    for i, path in enumerate(trace):  # their lookups fail now: each encoded again
+        started = time.monotonic()
+        meta = answer(cluster.languages[i % 2], path, f"after-kill-{i}", reference)
+        assert meta["stored_images"] == 0
+        # at most one bounded wait for the store (2 s) on each side, beside the encode and prefill
+        assert time.monotonic() - started < 60
+    assert cluster.total(ENCODED) == encoded + len(trace)
+    for worker in (*cluster.languages, *cluster.encoders):
+        assert metric(worker, "epd_global_cache_available") == 0
+        assert any("is unavailable" in line for line in worker.log)
