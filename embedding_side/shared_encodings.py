@@ -22,7 +22,7 @@ from embedding_side.encoders import EncodedImages
 from worker_infra.embedding_store import EmbeddingStore, StoredMedia, media_key
 
 
-def item_tokens(grid: tuple[int, ...], merge_size: int) -> int:
+def rows_of(grid: tuple[int, ...], merge_size: int) -> int:
     """An item's embedding rows: its merged patches (``(t, h, w)``), or its count (audio ``(n,)``)."""
     if len(grid) == 1:
         return grid[0]
@@ -32,7 +32,7 @@ def item_tokens(grid: tuple[int, ...], merge_size: int) -> int:
 
 def split_items(encoded: EncodedImages, merge_size: int) -> list[StoredMedia]:
     """One request's encoded items, one entry each (rows, grid, that item's position metadata)."""
-    ends = np.cumsum([item_tokens(tuple(g), merge_size) for g in encoded.grid_thw])
+    ends = np.cumsum([rows_of(tuple(g), merge_size) for g in encoded.grid_thw])
     rows = np.split(encoded.embeddings, ends[:-1])
     return [StoredMedia(item_rows, tuple(int(n) for n in grid), {name: values[i] for name, values in
                                                                  encoded.extras.items()})

@@ -77,10 +77,10 @@ from embedding_side.audio import open_audio
 from embedding_side.encoders import EncodedImages, VisionEncoder, decode_bytes, tokens_for
 from embedding_side.images import ImageInputError, MediaPolicy, decode_image, fetch_media, is_remote, open_image_bytes
 from embedding_side.positions import image_positions, sequence_positions
-from embedding_side.shared_encodings import SharedEncodings, join_items, split_items
+from embedding_side.shared_encodings import SharedEncodings, join_items, rows_of, split_items
 from embedding_side.videos import decode_bytes as video_decode_bytes
 from embedding_side.videos import open_video
-from worker_infra.embedding_store import EmbeddingStore
+from worker_infra.embedding_store import EmbeddingStore, StoredMedia
 from worker_infra.http import wait_for_future
 from worker_infra.metrics import WorkerMetrics
 from worker_infra.sleep import SleepGate, WorkerState
@@ -288,7 +288,7 @@ class EncodeWorker:
         started = time.monotonic()
         keys = self.shared.keys(modality, digests) if self.shared is not None else []
         reused, claims = await self.shared.reuse(keys, lambda claim: _unless_failed(sender, claim)) if keys else ({}, {})
-        todo = [i for i in range(len(items)) if i not in reused or reused[i].rows.shape[0] != item_tokens[i]]
+        todo = [i for i in range(len(items)) if i not in reused or not self._fits(reused[i], item_tokens[i], modality)]
         try:
             encoded = await self._encode_items(sender, modality, [items[i] for i in todo], [refs[i] for i in todo],
                                                sum(decode_needs[i] for i in todo))
@@ -354,6 +354,13 @@ class EncodeWorker:
             else:
                 release()
         return encoded
+
+    def _fits(self, item: StoredMedia, tokens: int, modality: str) -> bool:
+        """Whether a reused item is what this request's headers foresee: its rows and its grid
+        that many tokens, each row this worker's width (else it is encoded again)."""
+        merge = 1 if modality == "audio" else self.encoder.merge_size
+        width = self.config.hidden_size * DTYPE_SIZES[self.config.dtype]
+        return item.rows.shape == (tokens, width) and rows_of(item.grid, merge) == tokens
 
     def _release_decoding(self, room: int) -> None:
         with self._lock:

@@ -47,12 +47,12 @@ import aiohttp
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from connector import FailureKind, TransferFailure
+from connector import DTYPE_SIZES, FailureKind, TransferFailure
 from language_side.embedding_cache import EmbeddingCache, Grid, cache_key, image_digest, split_rows
 from language_side.layout import MERGE, LayoutError, grids_from_positions, image_token_count
 from language_side.transfer_meta import TransferMeta
 from language_side.worker import LanguageWorker
-from worker_infra.embedding_store import EmbeddingStore, media_key
+from worker_infra.embedding_store import EmbeddingStore, StoredMedia, media_key
 from worker_infra.http import encoder_host, wait_for_future
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class EncoderDispatch:
                 stored = await asyncio.gather(*(self.store.get(media_key("image", digests[i], fingerprint))
                                                 for i in wanted))
                 for i, entry in zip(wanted, stored, strict=True):
-                    if entry is not None and len(entry.grid) == 3 and image_token_count(entry.grid) == len(entry.rows):
+                    if entry is not None and self._fits(entry):
                         found[i] = (entry.rows, entry.grid)
                         self.cache.put(cache_key(digests[i], fingerprint), entry.rows, entry.grid)
                         from_store += 1
@@ -242,6 +242,11 @@ class EncoderDispatch:
                         meta=replace(meta, num_tokens=len(rows), cached_images=len(images) - len(missing) - from_store,
                                      stored_images=from_store if self.store is not None else None),
                         rows_sha256=sent.rows_sha256 if whole else None)
+
+    def _fits(self, entry: StoredMedia) -> bool:
+        """Whether an entry of the cluster's cache is an image's rows at this worker's width."""
+        width = self.worker.config.hidden_size * DTYPE_SIZES[self.worker.config.dtype]
+        return len(entry.grid) == 3 and entry.rows.shape == (image_token_count(entry.grid), width)
 
     async def _fingerprint(self) -> str | None:
         """The preprocessing fingerprint every encoder reports (None when they disagree: an

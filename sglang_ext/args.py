@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from connector import DTYPE_SIZES, SETTINGS, ConnectorConfig, Setting
 from embedding_side.images import (
@@ -24,7 +24,9 @@ from embedding_side.images import (
     DEFAULT_MAX_VIDEO_PIXELS,
     DEFAULT_TIMEOUT_S,
 )
-from worker_infra.embedding_store import EmbeddingStore, StoreSettings
+
+if TYPE_CHECKING:
+    from worker_infra.embedding_store import EmbeddingStore
 
 MODES = ("encode", "language")
 DEFAULT_SEGMENT_BYTES = 512 << 20
@@ -260,6 +262,10 @@ def global_cache(args: argparse.Namespace, config: ConnectorConfig) -> Embedding
     if args.mm_global_cache_segment_bytes < 0 or args.mm_global_cache_timeout <= 0:
         raise SystemExit("error: --mm-global-cache-segment-bytes must be 0 or more, --mm-global-cache-timeout "
                          "more than 0")
+    # here, not at the top: the plugin imports this module in processes that must not import
+    # prometheus_client before SGLang sets its multiprocess folder
+    from worker_infra.embedding_store import EmbeddingStore, StoreSettings
+
     row_bytes = config.hidden_size * DTYPE_SIZES[config.dtype]
     return EmbeddingStore(StoreSettings(
         master=master, metadata=args.mm_global_cache_metadata,
