@@ -94,15 +94,20 @@ def load_image(ref: str, policy: MediaPolicy) -> Image.Image:
 def open_image(ref: str, policy: MediaPolicy) -> Image.Image:
     """Fetch one image reference and read its header (format and size checked): nothing is
     decoded yet, so the caller can reserve memory for that from the size first."""
+    return open_image_bytes(fetch_image(ref, policy), ref, policy)
+
+
+def fetch_image(ref: str, policy: MediaPolicy) -> bytes:
+    """One image reference's bytes, the reference checked first."""
     if not isinstance(ref, str) or not ref:
         raise ImageInputError("each image must be a non-empty string (path, file://, http(s):// or data: URI)")
     if "\x00" in ref:  # no path, URL or data: URI holds one; the OS would refuse it as a ValueError
         raise ImageInputError(f"{describe(ref)!r}: an image reference must not contain a NUL character")
-    return open_image_bytes(fetch_media(ref, policy), ref, policy)
+    return fetch_media(ref, policy)
 
 
 def open_image_bytes(data: bytes, ref: str, policy: MediaPolicy) -> Image.Image:
-    """:func:`open_image` of bytes already fetched."""
+    """:func:`open_image` of bytes already fetched (:func:`fetch_image`)."""
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:

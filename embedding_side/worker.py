@@ -75,7 +75,7 @@ from embedding_side import checkpoint
 from embedding_side.audio import decode_bytes as audio_decode_bytes
 from embedding_side.audio import open_audio
 from embedding_side.encoders import EncodedImages, VisionEncoder, decode_bytes, tokens_for
-from embedding_side.images import ImageInputError, MediaPolicy, decode_image, fetch_media, is_remote, open_image_bytes
+from embedding_side.images import ImageInputError, MediaPolicy, decode_image, fetch_image, is_remote, open_image_bytes
 from embedding_side.positions import image_positions, sequence_positions
 from embedding_side.shared_encodings import SharedEncodings, join_items, rows_of, split_items
 from embedding_side.videos import decode_bytes as video_decode_bytes
@@ -379,7 +379,7 @@ class EncodeWorker:
         """Each reference fetched and its header read (images not decoded yet), and the SHA-256
         of each one's bytes (what the cluster's cache keys it by)."""
         if modality == "image":
-            fetched = [fetch_media(ref, self.media) for ref in refs]
+            fetched = [fetch_image(ref, self.media) for ref in refs]
             items = [open_image_bytes(data, ref, self.media) for data, ref in zip(fetched, refs, strict=True)]
         else:
             items = [(open_video if modality == "video" else open_audio)(ref, self.media) for ref in refs]

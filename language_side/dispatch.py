@@ -1,7 +1,8 @@
 """One request's images, encoded by the encoders of ``--encoder-urls`` and received by this worker.
 
 A request's images are split into contiguous parts, one per encoder, and more parts where one
-would pass the images an encoder takes per ``/encode``. A part goes to the encoder its first
+would pass the images an encoder takes per ``/encode``; each part goes to an encoder no other
+part of the request went to while there is one. A part goes to the encoder its first
 image hashes to (rendezvous hashing of the image's SHA-256, or of its reference when this worker
 does not hold its bytes, over the healthy encoders), so an image comes back to the encoder that
 has it, unless that encoder has :data:`AFFINITY_SLACK_IMAGES` images' worth of tokens or more
@@ -274,7 +275,8 @@ class EncoderDispatch:
         bounds = np.linspace(0, len(refs), count + 1).astype(int)
         affinity = [digest or hashlib.sha256(ref.encode()).hexdigest()
                     for ref, digest in zip(refs, digests or [None] * len(refs), strict=True)]
-        tasks = [asyncio.ensure_future(self._part(rid, i, refs[a:b], modality, affinity[a]))
+        siblings: set[str] = set()  # the encoders this request's parts went to: the next part goes elsewhere
+        tasks = [asyncio.ensure_future(self._part(rid, i, refs[a:b], modality, affinity[a], siblings))
                  for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
         try:
             parts = await asyncio.gather(*tasks)
@@ -292,15 +294,17 @@ class EncoderDispatch:
                         rows_sha256=parts[0].rows_sha256 if len(parts) == 1 else None)
 
     async def _part(self, rid: str, index: int, images: list[str], modality: str = "image",
-                    affinity: str | None = None) -> Embedded:
+                    affinity: str | None = None, siblings: set[str] | None = None) -> Embedded:
         tried: set[str] = set()
         last: _EncoderFault | None = None
         only_busy = True  # every encoder tried answered 429/503 (over its queue, or asleep)
         for attempt in range(1, self.max_attempts + 1):
-            enc = await self._pick(tried, modality, affinity)
+            enc = await self._pick(tried, modality, affinity, siblings)
             if enc is None:
                 break
             tried.add(enc.url)
+            if siblings is not None:
+                siblings.add(enc.url)
             estimate = self.tokens_per_image * len(images)
             enc.outstanding += estimate
             part_rid = f"{rid}/{'part' if modality == 'image' else modality}{index}.{attempt}"
@@ -341,11 +345,13 @@ class EncoderDispatch:
                                     f"{len(self.encoders)} encoders, one attempt each, at most {self.max_attempts}"
                                     f"{why}): {last or 'no encoder answers /health'}")
 
-    async def _pick(self, tried: set[str], modality: str = "image", affinity: str | None = None) -> Encoder | None:
+    async def _pick(self, tried: set[str], modality: str = "image", affinity: str | None = None,
+                    siblings: set[str] = frozenset()) -> Encoder | None:
         """The healthy encoder not tried yet (and not known to refuse ``modality``) that
         ``affinity`` hashes to, or the least loaded one when that one is busier by a slack (see
-        the module docstring). One out of rotation comes back once its /health answers (asked at
-        most once a second, or at once when no other is left)."""
+        the module docstring); one no other part of the request went to, while there is one.
+        One out of rotation comes back once its /health answers (asked at most once a second, or
+        at once when no other is left)."""
         now = time.monotonic()
         left = [e for e in self.encoders if e.url not in tried and (e.modalities is None or modality in e.modalities)]
         none_healthy = not any(e.healthy for e in left)
@@ -354,6 +360,7 @@ class EncoderDispatch:
                 enc.next_probe = now + PROBE_INTERVAL
                 enc.healthy = await self._probe(enc)
         healthy = [e for e in left if e.healthy]
+        healthy = [e for e in healthy if e.url not in siblings] or healthy
         if not healthy:
             return None
         least = min(healthy, key=lambda e: e.outstanding)

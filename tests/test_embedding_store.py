@@ -204,8 +204,9 @@ def dispatch_over(n: int) -> EncoderDispatch:
     return dispatch
 
 
-def pick(dispatch: EncoderDispatch, affinity: str, tried: frozenset = frozenset()) -> Encoder:
-    return asyncio.run(dispatch._pick(set(tried), "image", affinity))
+def pick(dispatch: EncoderDispatch, affinity: str, tried: frozenset = frozenset(),
+         siblings: frozenset = frozenset()) -> Encoder:
+    return asyncio.run(dispatch._pick(set(tried), "image", affinity, set(siblings)))
 
 
 def test_an_image_goes_to_the_encoder_it_hashes_to_unless_that_one_is_the_slack_busier() -> None:
@@ -221,6 +222,9 @@ def test_an_image_goes_to_the_encoder_it_hashes_to_unless_that_one_is_the_slack_
     hashed.outstanding = slack  # the slack busier than the others: the least loaded takes it
     assert pick(dispatch, digests[0]) is not hashed
     hashed.outstanding = 0
+    # another part of the same request went there: this one goes elsewhere (the parts side by side)
+    assert pick(dispatch, digests[0], siblings=frozenset({hashed.url})) is not hashed
+    assert pick(dispatch, digests[0], siblings=frozenset(e.url for e in dispatch.encoders)) is hashed
     # that encoder out of rotation (or tried): the image goes where it hashes among the others, the
     # same one every time, and images hashed elsewhere stay where they were
     again = pick(dispatch, digests[0], frozenset({hashed.url}))
