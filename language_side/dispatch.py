@@ -273,8 +273,7 @@ class EncoderDispatch:
         per_part = 1 if modality == "video" else max(1, min(e.max_images for e in self.encoders))
         count = max(min(len(healthy), len(refs)), -(-len(refs) // per_part))
         bounds = np.linspace(0, len(refs), count + 1).astype(int)
-        affinity = [digest or hashlib.sha256(ref.encode()).hexdigest()
-                    for ref, digest in zip(refs, digests or [None] * len(refs), strict=True)]
+        affinity = [affinity_of(ref, digest) for ref, digest in zip(refs, digests or [None] * len(refs), strict=True)]
         siblings: set[str] = set()  # the encoders this request's parts went to: the next part goes elsewhere
         tasks = [asyncio.ensure_future(self._part(rid, i, refs[a:b], modality, affinity[a], siblings))
                  for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
@@ -299,7 +298,7 @@ class EncoderDispatch:
         last: _EncoderFault | None = None
         only_busy = True  # every encoder tried answered 429/503 (over its queue, or asleep)
         for attempt in range(1, self.max_attempts + 1):
-            enc = await self._pick(tried, modality, affinity, siblings)
+            enc = await self._pick(tried, modality, affinity, siblings or set())
             if enc is None:
                 break
             tried.add(enc.url)
@@ -366,7 +365,7 @@ class EncoderDispatch:
         least = min(healthy, key=lambda e: e.outstanding)
         if affinity is None:
             return least
-        hashed = max(healthy, key=lambda e: hashlib.sha256(f"{affinity}|{e.url}".encode()).digest())
+        hashed = max(healthy, key=lambda e: rendezvous_weight(affinity, e.url))
         slack = AFFINITY_SLACK_IMAGES * self.tokens_per_image
         return hashed if hashed.outstanding < least.outstanding + slack else least
 
@@ -467,6 +466,17 @@ class EncoderDispatch:
             kind = {"images": "image", "videos": "video", "audios": "audio clip"}.get(next(iter(media), ""), "input")
             raise ImageRefused(resp.status, f"encoder {enc.url} refused the {kind} ({resp.status}): {why}")
         raise _EncoderFault(f"encoder {enc.url} answered {resp.status}: {why}", busy=resp.status in (429, 503))
+
+
+def affinity_of(ref: str, digest: str | None) -> str:
+    """What an item is routed by: its bytes' digest when this worker holds them, else its reference."""
+    return digest or hashlib.sha256(ref.encode()).hexdigest()
+
+
+def rendezvous_weight(affinity: str, url: str) -> bytes:
+    """An encoder's weight for an item: the item goes to the heaviest encoder (rendezvous hashing),
+    so an encoder that leaves moves only its own items."""
+    return hashlib.sha256(f"{affinity}|{url}".encode()).digest()
 
 
 def video_layout(encoded: dict, rows: int, videos: int) -> tuple[list[tuple[int, int, int]], dict]:

@@ -19,6 +19,7 @@ import functools
 import http.server
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -45,7 +46,7 @@ from transfer_large_image import make_image
 from workers import WorkerProcess
 
 from connector.failures import FailureKind, TransferFailure
-from language_side.dispatch import Encoder, EncoderDispatch, _EncoderFault
+from language_side.dispatch import Encoder, EncoderDispatch, _EncoderFault, affinity_of, rendezvous_weight
 from language_side.embedding_cache import EmbeddingCache
 
 pytestmark = pytest.mark.sglang
@@ -552,18 +553,25 @@ def test_asleep_or_aborted_requests_blame_no_encoder(cluster, images) -> None:
     assert_idle(lang)
 
 
-def test_an_encoder_whose_digest_lies_loses_the_part_to_another(cluster, images) -> None:
+def test_an_encoder_whose_digest_lies_loses_the_part_to_another(cluster, images, tmp_path) -> None:
     """The embedding's digest is checked end to end: an encoder (the relay in front of a real
     one) that reports another digest than what landed has its part sent again to the next
     encoder, and leaves the rotation; the client gets the answer of the same chat through one
-    honest encoder (the other server's)."""
+    honest encoder (the other server's). The image goes by a path that hashes to the liar."""
     second, liar = cluster.second, cluster.relay.url
+    urls = [liar, *(e.url for e in cluster.encoders[1:])]
+
+    def hashed_to(path: str) -> str:
+        return max(urls, key=lambda url: rendezvous_weight(affinity_of(path, None), url))
+
+    path = next(p for p in (str(tmp_path / f"{i}.png") for i in range(256)) if hashed_to(p) == liar)
+    shutil.copy(images["224x224"], path)
     honest = answer_of(cluster.lang, "Honest?", [images["224x224"]], 6)
     failed, taken = parts(second, liar, "failed"), parts(second, liar)
     others = sum(parts(second, e.url) for e in cluster.encoders[1:])
     cluster.relay.lying = True
     try:
-        assert answer_of(second, "Honest?", [images["224x224"]], 6) == honest
+        assert answer_of(second, "Honest?", [path], 6) == honest
     finally:
         cluster.relay.lying = False
     assert parts(second, liar, "failed") == failed + 1 and parts(second, liar) == taken
