@@ -48,7 +48,7 @@ MAX_HEADER_BYTES = 1 << 20  # a grid and per-frame timestamps fit in far less
 RETRY_AFTER_S = 5.0  # how long an unavailable store is skipped before the next try
 MAX_PENDING_PUTS = 4  # entries waiting to be written; more are dropped
 STORE_THREADS = 4  # calls in flight at once (one stuck call does not hold the others)
-CLOSE_WAIT_S = 1.0
+_LEFT_OPEN: list = []  # clients closed by the process's end (see EmbeddingStore.close)
 KEY_PREFIX = "epd-emb"
 LOCAL_BUFFER_BYTES = 16 << 20  # the client's staging for put() and get(), which this module does not use
 # Mooncake Store's return codes (mooncake-store types.h)
@@ -314,14 +314,14 @@ class EmbeddingStore:
             self._calls.submit(self._client.remove, key, True)  # forced: the read's lease would keep it
 
     def close(self) -> None:
-        """Stop using the store. Its client's own close is waited for at most :data:`CLOSE_WAIT_S`
-        (a master that is gone holds it for seconds)."""
+        """Stop using the store. The client itself is left to the process's end: its ``close()``
+        (and its destructor) unmount the memory it lent with the master, holding the GIL all the
+        while (16 s measured with the master gone, every thread of the worker stopped); the
+        master drops the memory of a client that went silent after its ``client_ttl`` (10 s), and
+        readers meanwhile count those entries as misses."""
         self._calls.shutdown(wait=False, cancel_futures=True)
-        client, self._client = self._client, None
-        if client is not None:
-            closing = threading.Thread(target=client.close, name="embedding-store-close", daemon=True)
-            closing.start()
-            closing.join(CLOSE_WAIT_S)
+        _LEFT_OPEN.append(self._client)
+        self._client = None
 
 
 def _read(client, key: str, max_bytes: int) -> np.ndarray | None:
@@ -336,7 +336,7 @@ def _read(client, key: str, max_bytes: int) -> np.ndarray | None:
         raise EntryRejected(f"{size} bytes, over the entry bound of {max_bytes}")
     blob = np.empty(size, np.uint8)
     read = client.get_into(key, blob.ctypes.data, size)
-    if read == OBJECT_NOT_FOUND:  # evicted between the two calls
+    if read in (OBJECT_NOT_FOUND, TRANSFER_FAIL):  # evicted between the two calls, or its holder is gone
         return None
     if read != size:
         raise RuntimeError(f"the store answered {read} reading {size} bytes")
@@ -353,9 +353,9 @@ def _write(client, key: str, blob: np.ndarray) -> str:
         return "ok"
     if code == NO_AVAILABLE_HANDLE:
         return "full"
-    if code in (RPC_FAIL, TRANSFER_FAIL):
+    if code == RPC_FAIL:
         raise RuntimeError(f"the store answered {code}")
-    return "refused"
+    return "refused"  # e.g. the memory it chose belongs to a worker that just went
 
 
 def _mooncake_client(settings: StoreSettings):
