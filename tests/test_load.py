@@ -68,7 +68,7 @@ def test_an_encoder_pool_smaller_than_one_4k_image_refuses_it_at_once_and_serves
     pair = Pair(model_path=model, encode_args=("--embedding-cache-buffer-size", "64"),
                 language_args=("--embedding-cache-buffer-size", "96"))
     try:
-        results = run_pairs(pair, mixed_images, 32, seed=64)
+        results = run_pairs(pair, mixed_images, 16, seed=64)
         for r in results:
             if r["size"] == FOUR_K:  # refused on both sides, with the reason, before any work
                 assert (r["encode_status"], r["language_status"]) == (413, 413), r
