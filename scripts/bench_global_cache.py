@@ -24,6 +24,9 @@ connector, read from the store, written to it), and R: per image with repeats of
 median TTFT of its repeats on the other server over that of its repeats on the same one, the
 median over those images (an image's size sets its prefill, so only one image's repeats are
 compared; the popular images, small in this trace, are most of the repeats on the same server).
+With the cluster's cache, a probe follows the trace: for a few images that landed on one server
+only, one request there and one on the other server, one at a time and straight to each (the
+embedding path without the trace's queues: its own cache against the store).
 The last line is ``global_cache encoder_passes=N distinct_media=M repeat_other_over_same=R`` for
 the cluster's cache. Needs root, iproute2, iptables.
 
@@ -75,6 +78,7 @@ SECRET = "the-benchmark-clusters-control-secret"
 CONFIGS = ("none", "local", "global")  # no embedding cache, each server's own, the cluster's
 ZIPF_S = 1.1
 MULTI_TURN_SHARE = 0.3
+PROBES = 6  # images measured one at a time after the trace (see probe)
 
 
 @dataclass
@@ -98,6 +102,7 @@ class Outcome:
     encoder_passes: float = 0.0
     connector_bytes: float = 0.0
     store_bytes: float = 0.0
+    probes: list[dict] = field(default_factory=list)  # the global configuration's (see probe)
 
 
 def make_trace(chats: int, images: int, seed: int) -> list[list[tuple[int, int]]]:
@@ -152,6 +157,28 @@ def run_trace(gateway: str, trace: list[list[tuple[int, int]]], uris: list[str],
     return [request for turns in chats for request in turns]
 
 
+def probe(languages: list[WorkerProcess], requests_: list[Request], uris: list[str], count: int) -> list[dict]:
+    """The embedding path alone, after the trace: for up to ``count`` images that landed on one
+    language server only, one request on that server (its own cache) and one on the other (the
+    cluster's cache, the first time there), straight to each server, one at a time, alternating
+    which goes first; their TTFTs."""
+    seen: dict[int, set[str]] = {}
+    for request in requests_:
+        if request.status == 200 and request.server:
+            seen.setdefault(request.image, set()).add(request.server)
+    rows = []
+    for k, image in enumerate([image for image, servers in sorted(seen.items()) if len(servers) == 1][:count]):
+        own = next(iter(seen[image]))
+        other = next(w.url for w in languages if w.url != own)
+        ttft = {}
+        for label, url in (("same", own), ("other", other))[:: 1 if k % 2 == 0 else -1]:
+            request = Request(-1, k, image, f"probe-{k}-{label}")
+            stream_ttft(url, request, uris[image])
+            ttft[label] = request.ttft_s
+        rows.append({"image": image, **ttft})
+    return rows
+
+
 def classify(requests_: list[Request]) -> None:
     """Each request's kind (see the module docstring), from start and finish times and servers."""
     for request in requests_:
@@ -196,6 +223,7 @@ def run_config(config: str, net: Network, folder: str, trace: list, uris: list[s
     started = start_together(*(encoder(h) for h in encoder_hosts), *(language(h) for h in language_hosts))
     encoders, languages = started[:2], started[2:]
     outcome = Outcome(config)
+    probes: list[dict] = []
     try:
         gateway_host = net["gateway"]
         with smg_gateway([w.url for w in languages], logs / f"smg-{config}.log", gateway_host.address, ANY,
@@ -204,6 +232,8 @@ def run_config(config: str, net: Network, folder: str, trace: list, uris: list[s
         for request in outcome.requests:
             pattern = re.compile(rf"rid={re.escape(request.rid)}:")
             request.server = next((w.url for w in languages if any(pattern.search(line) for line in w.log)), "")
+        if config == "global":
+            probes = probe(languages, outcome.requests, uris, PROBES)
         outcome.encoder_passes = sum(metric(e.url, 'epd_encoder_items_total{source="encoded"}') for e in encoders)
         outcome.connector_bytes = sum(metric(e.url, 'epd_bytes_total{role="encode"}') for e in encoders)
         outcome.store_bytes = sum(metric(w.url, "epd_global_cache_read_bytes_total") for w in (*encoders, *languages)) \
@@ -214,6 +244,7 @@ def run_config(config: str, net: Network, folder: str, trace: list, uris: list[s
         if master is not None:
             master.stop()
     classify(outcome.requests)
+    outcome.probes = probes
     return outcome
 
 
@@ -246,6 +277,9 @@ def summary(outcome: Outcome) -> dict:
         ttfts = [r.ttft_s for r in outcome.requests if r.kind == kind and r.status == 200]
         row[kind] = {"n": len(ttfts), "p50_s": quantile(ttfts, 0.5), "p90_s": quantile(ttfts, 0.9)}
     row["repeat_other_over_same"] = paired_ratio(outcome.requests)
+    if outcome.probes:
+        row["probes"] = outcome.probes
+        row["probe_other_over_same"] = statistics.median(p["other"] / p["same"] for p in outcome.probes)
     row["per_request"] = [asdict(r) for r in outcome.requests]
     return row
 
@@ -292,7 +326,9 @@ def main() -> int:
                   f"{row['store_mb']:.0f} MB through the store; TTFT p50/p90 s: " + ", ".join(
                       f"{kind} {row[kind]['p50_s']:.2f}/{row[kind]['p90_s']:.2f} (n={row[kind]['n']})"
                       for kind in ("first", "repeat_same", "repeat_other"))
-                  + f"; repeat other/same, per image: {row['repeat_other_over_same']:.2f}", flush=True)
+                  + f"; repeat other/same, per image: {row['repeat_other_over_same']:.2f}"
+                  + (f"; one at a time, other/same: {row['probe_other_over_same']:.2f} (n={len(row['probes'])})"
+                     if "probes" in row else ""), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"trace": trace, "rows": rows}, indent=1))
     last = next(row for row in reversed(rows) if row["config"] == "global") if "global" in args.configs else rows[-1]
