@@ -17,7 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from monolithic import greedy_mismatch
-from sglang_stack import encode_worker, encoder_health, generate, image_reference, language_server, metric, write_images
+from sglang_stack import (
+    connector_idle,
+    encode_worker,
+    encoder_health,
+    generate,
+    image_reference,
+    language_server,
+    metric,
+    write_images,
+)
 from workers import MooncakeMaster, WorkerProcess, start_together
 
 from worker_infra.embedding_store import media_key, pack, unpack
@@ -191,3 +200,6 @@ def test_the_master_killed_mid_trace_costs_no_request_its_answer(cluster, master
     for worker in (*cluster.languages, *cluster.encoders):
         assert metric(worker, "epd_global_cache_available") == 0
         assert any("is unavailable" in line for line in worker.log)
+    for language in cluster.languages:  # every block of both pools back
+        idle = connector_idle(language)
+        assert idle["free_blocks"] == idle["num_blocks"], idle
