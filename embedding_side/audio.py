@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from embedding_side.images import ImageInputError, MediaPolicy, describe, fetch_media
 
 MAX_CHANNELS = 8
+UNKNOWN_FRAMES = 2**63 - 1  # what libsndfile reports when an Ogg's last page gives no length
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ def open_audio(ref: str, policy: MediaPolicy) -> AudioClip:
     frames, rate, channels = int(info.frames), int(info.samplerate), int(info.channels)
     if frames <= 0 or rate <= 0 or not 0 < channels <= MAX_CHANNELS:
         raise ImageInputError(f"{describe(ref)}: {frames} samples at {rate} Hz in {channels} channels")
+    if frames >= UNKNOWN_FRAMES:
+        raise ImageInputError(f"{describe(ref)}: its header gives no length (a chained or streamed Ogg, or a "
+                              f"broken end), so it cannot be held to the {policy.max_audio_seconds:g} s limit "
+                              f"(--max-audio-seconds)")
     if frames > policy.max_audio_seconds * rate:
         raise ImageInputError(f"{describe(ref)}: {frames / rate:.1f} s, over the {policy.max_audio_seconds:g} s "
                               f"limit (--max-audio-seconds)")

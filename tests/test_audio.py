@@ -5,8 +5,11 @@ encoder's audio answer."""
 
 from __future__ import annotations
 
+import io
+import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 from sglang_stack import write_audio_clips
 
@@ -44,6 +47,41 @@ def test_limits_and_bad_input_are_refused_with_what_was_wrong(clips, tmp_path) -
             open_audio(ref, policy)
     assert [audio_format(head) for head in (b"RIFF\x00\x00\x00\x00WAVE", b"fLaC\x00", b"OggS\x00", b"ID3\x03")] == [
         "WAV", "FLAC", "Ogg", None]
+
+
+def ogg_with_last_granule(path: Path, granule: int) -> str:
+    """A 2 s Ogg Vorbis whose last page says ``granule`` samples (its CRC made right again)."""
+    import soundfile
+
+    buffer = io.BytesIO()
+    noise = np.random.default_rng(0).standard_normal(32000).astype(np.float32) * 0.1
+    soundfile.write(buffer, noise, 16000, format="OGG")
+    data = buffer.getvalue()
+    last = data.rfind(b"OggS")
+    page = bytearray(data[last:])
+    page[6:14], page[22:26] = struct.pack("<Q", granule), bytes(4)
+    page[22:26] = struct.pack("<I", ogg_crc(bytes(page)))
+    path.write_bytes(data[:last] + bytes(page))
+    return str(path)
+
+
+def ogg_crc(data: bytes) -> int:
+    crc = 0
+    for byte in data:
+        crc ^= byte << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7) if crc & 0x80000000 else crc << 1
+        crc &= 0xFFFFFFFF
+    return crc
+
+
+def test_an_ogg_whose_header_gives_no_length_is_refused_for_that(tmp_path) -> None:
+    policy = MediaPolicy.create([str(tmp_path)])
+    assert open_audio(ogg_with_last_granule(tmp_path / "two.ogg", 32000), policy).seconds == 2.0
+    with pytest.raises(ImageInputError, match=r"its header gives no length \(a chained or streamed Ogg"):
+        open_audio(ogg_with_last_granule(tmp_path / "unknown.ogg", 2**63 - 1), policy)
+    with pytest.raises(ImageInputError, match=r"36000\.0 s, over the 30 s limit"):  # 10 h claimed
+        open_audio(ogg_with_last_granule(tmp_path / "ten-hours.ogg", 36000 * 16000), policy)
 
 
 def test_the_resample_stand_in_gives_torchaudios_length() -> None:
