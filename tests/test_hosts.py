@@ -522,7 +522,9 @@ def test_a_one_way_cut_is_caught_by_the_heartbeats(net, cluster, fresh, before, 
             answers = [pool.submit(chat, language, image, f"one-way-{tag}-{i}") for i, image in enumerate(images)]
             while deaths() == before_cut:
                 found_s = time.monotonic() - cut_at
-                assert found_s < DETECTION_S + 2, (
+                # the watch starts with a's first room: the clients' first parts reach a a second or
+                # two after the cut on a loaded machine
+                assert found_s < DETECTION_S + 4, (
                     f"the one-way cut was not found in {found_s:.1f} s: encoder a {encoder_health(a)}, "
                     f"the language server's connector {connector_health(language)}")
                 time.sleep(0.2)
