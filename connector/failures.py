@@ -1,4 +1,6 @@
-"""Why a request or room failed: one enum, mapped once to an HTTP status and a metric label.
+"""Why a request or room failed: one enum, mapped once to an HTTP status, ``Retry-After``, a
+metric label and the wire's reason prefix. Every error a worker answers carries one
+(:class:`TransferFailure`, ``worker_infra.http.HTTPError``, the language side's refusals).
 
 A failure travels between the workers as the reason frame of a ``Failed`` status, written
 ``"<kind>: <message>"``, so the other side fails its half of the request with the same kind (an
@@ -16,6 +18,9 @@ class FailureKind(enum.Enum):
     """``value`` is the metric label and the wire prefix."""
 
     BAD_REQUEST = "bad_request"  # the request itself is invalid
+    UNAUTHORIZED = "unauthorized"  # an admin route without the admin API key
+    FORBIDDEN = "forbidden"  # names a host this worker may not contact
+    BAD_CHECKPOINT = "bad_checkpoint"  # a wake-up refused its checkpoint: nothing was loaded
     TOO_LARGE = "too_large"  # the embedding cannot fit a pool, ever
     CONFLICT = "conflict"  # rid or room already in use
     OVERLOADED = "overloaded"  # over a queue, staging or pool bound: retry later
@@ -45,9 +50,21 @@ class FailureKind(enum.Enum):
     def headers(self) -> dict[str, str]:
         return {"Retry-After": self.retry_after} if self.retry_after else {}
 
+    @classmethod
+    def answered(cls, status: int) -> FailureKind:
+        """The kind of a peer's answer with ``status`` (another worker's refusal): the first
+        kind that answers it, else bad request for any other 4xx and a peer failure for the rest."""
+        for kind, mapped in _HTTP_STATUS.items():
+            if mapped == status:
+                return kind
+        return cls.BAD_REQUEST if 400 <= status < 500 else cls.PEER_FAILED
+
 
 _HTTP_STATUS = {
     FailureKind.BAD_REQUEST: 400,
+    FailureKind.UNAUTHORIZED: 401,
+    FailureKind.FORBIDDEN: 403,
+    FailureKind.BAD_CHECKPOINT: 422,
     FailureKind.TOO_LARGE: 413,
     FailureKind.CONFLICT: 409,
     FailureKind.OVERLOADED: 503,

@@ -77,11 +77,11 @@ OUR_SIDE = frozenset({FailureKind.CANCELLED, FailureKind.ASLEEP, FailureKind.SHU
 
 class ImageRefused(ValueError):
     """An encoder refused the images as bad input (a 4xx but 408/429): the client's error, with
-    the encoder's status; not retried."""
+    the kind of the encoder's status; not retried."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, kind: FailureKind, message: str) -> None:
         super().__init__(message)
-        self.status = status
+        self.kind = kind
 
 
 @dataclass
@@ -193,9 +193,10 @@ class EncoderDispatch:
 
     def _check_encoders(self) -> None:
         if not self.encoders:
-            raise ImageRefused(400, "this language server has no --encoder-urls: name the encoder that holds a "
-                                    "request's embedding by bootstrap_host, bootstrap_port and bootstrap_room (the "
-                                    "two-request flow)")
+            raise ImageRefused(FailureKind.BAD_REQUEST,
+                               "this language server has no --encoder-urls: name the encoder that holds a "
+                               "request's embedding by bootstrap_host, bootstrap_port and bootstrap_room (the "
+                               "two-request flow)")
 
     def _open_session(self) -> None:
         if self._session is None:
@@ -327,8 +328,9 @@ class EncoderDispatch:
             result.meta.attempts, result.meta.encoders = attempt, [enc.url]
             return result
         if not tried and all(e.modalities is not None and modality not in e.modalities for e in self.encoders):
-            raise ImageRefused(400, f"none of this language server's encoders takes {modality}s (their /health "
-                                    f"lists {sorted({m for e in self.encoders for m in e.modalities or ()})})")
+            raise ImageRefused(FailureKind.BAD_REQUEST,
+                               f"none of this language server's encoders takes {modality}s (their /health "
+                               f"lists {sorted({m for e in self.encoders for m in e.modalities or ()})})")
         # Never twice on one encoder: what failed a part there (dead, frozen, busy, refusing this
         # worker's rooms) would most likely fail it again, at the cost of another detection.
         others = len(self.encoders) - len(tried)
@@ -423,10 +425,9 @@ class EncoderDispatch:
             receiving.cancel()
             encoding.cancel()
             raise
-        rows, positions = transfer.pop("embedding"), transfer.pop("mrope_positions")
+        rows = transfer.pop("embedding")
         try:
-            grids, extras = (LAYOUTS[modality](encoded, len(rows), len(images)) if modality in LAYOUTS
-                             else (grids_from_positions(positions), {}))
+            grids, extras = LAYOUTS[modality](encoded, len(rows), len(images))
         except LayoutError as exc:
             raise _EncoderFault(f"encoder {enc.url}: its embedding cannot be placed: {exc}") from None
         if encoded.get("preprocessing"):
@@ -464,7 +465,8 @@ class EncoderDispatch:
             raise _EncoderFault(f"encoder {enc.url}: {type(exc).__name__}: {exc}") from None
         if 400 <= resp.status < 500 and resp.status not in (408, 429):  # about the images
             kind = {"images": "image", "videos": "video", "audios": "audio clip"}.get(next(iter(media), ""), "input")
-            raise ImageRefused(resp.status, f"encoder {enc.url} refused the {kind} ({resp.status}): {why}")
+            raise ImageRefused(FailureKind.answered(resp.status),
+                               f"encoder {enc.url} refused the {kind} ({resp.status}): {why}")
         raise _EncoderFault(f"encoder {enc.url} answered {resp.status}: {why}", busy=resp.status in (429, 503))
 
 
@@ -477,6 +479,20 @@ def rendezvous_weight(affinity: str, url: str) -> bytes:
     """An encoder's weight for an item: the item goes to the heaviest encoder (rendezvous hashing),
     so an encoder that leaves moves only its own items."""
     return hashlib.sha256(f"{affinity}|{url}".encode()).digest()
+
+
+def image_layout(encoded: dict, rows: int, images: int) -> tuple[list[tuple[int, int, int]], dict]:
+    """The images' ``(1, h, w)`` patch grids from the encoder's answer, checked against the rows
+    that came (2x2 merge): one grid per image."""
+    try:
+        grids = [(int(t), int(h), int(w)) for t, h, w in encoded["grid_thw"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LayoutError(f"the answer has no usable image grids ({type(exc).__name__})") from None
+    if any(t != 1 or min(h, w) <= 0 or h % MERGE or w % MERGE for t, h, w in grids):
+        raise LayoutError(f"image grids {grids} are not grids of {MERGE}x{MERGE} merged patches of one frame")
+    if len(grids) != images or sum(image_token_count(grid) for grid in grids) != rows:
+        raise LayoutError(f"image grids {grids} do not describe {rows} rows of {images} image(s)")
+    return grids, {}
 
 
 def video_layout(encoded: dict, rows: int, videos: int) -> tuple[list[tuple[int, int, int]], dict]:
@@ -519,9 +535,9 @@ def audio_layout(encoded: dict, rows: int, clips: int) -> tuple[list[tuple[int]]
     return [(count,) for count in counts], {"audio_feature_lens": mel_frames}
 
 
-# how the rows of a video or audio part are laid out, from the encoder's answer (an image's: from
-# the positions on the wire)
-LAYOUTS = {"video": video_layout, "audio": audio_layout}
+# how the rows of a part are laid out, from the encoder's answer (the two-request flow has none:
+# its images' grids are read from the positions on the wire)
+LAYOUTS = {"image": image_layout, "video": video_layout, "audio": audio_layout}
 
 
 class _EncoderFault(Exception):

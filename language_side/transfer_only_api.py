@@ -12,6 +12,7 @@ from __future__ import annotations
 from aiohttp import web
 from pydantic import ConfigDict
 
+from connector import FailureKind
 from language_side.worker import LanguageWorker
 from worker_infra.http import (
     BootstrapAllowList,
@@ -50,7 +51,7 @@ def build_app(worker: LanguageWorker, allowed: BootstrapAllowList, admin_api_key
         body = await read_body(request, TransferIn)
         room, port, rid = check_room(body.bootstrap_room), body.bootstrap_port, body.rid
         if not 0 < port < 65536:
-            raise HTTPError(400, "bootstrap_port must be in 1..65535")
+            raise HTTPError(FailureKind.BAD_REQUEST, "bootstrap_port must be in 1..65535")
         host = check_host(body.bootstrap_host)
         allowed.check(host, port)
         future = worker.submit(rid, f"{host}:{port}", room, named_by_client=True)

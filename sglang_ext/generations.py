@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from connector import checkpoint
+from connector import FailureKind, checkpoint
 from sglang_ext.language_flags import GENERATIONS_ROLE
 from sglang_ext.mm_receiver import EmbeddingUnavailable, media_sources
 
@@ -179,8 +179,9 @@ class Restored:
         finally:
             self._own.discard(id(obj))
             if not result.done():  # cancelled: the server is going down
-                result.set_exception(EmbeddingUnavailable(503, f"request {gen.rid}: its restored generation was "
-                                                               f"cancelled"))
+                result.set_exception(EmbeddingUnavailable(FailureKind.SHUTTING_DOWN,
+                                                          f"request {gen.rid}: its restored generation was "
+                                                          f"cancelled"))
 
     def _whole(self, gen: SavedGeneration, last: dict) -> dict:
         ids = gen.output_ids + list(last.get("output_ids") or [])

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request  # SGLang's server is FastAPI; this module runs only where it is installed
 
-from connector import TransferFailure
+from connector import FailureKind, TransferFailure
 from sglang_ext.http_guards import AsleepHealth, BodyLimit, FreezeGcAfterWake, RetryAfter, ScrubErrors
 from sglang_ext.prompt_bounds import too_long
 from worker_infra.http import (
@@ -194,9 +194,9 @@ def around_generate_request(original, manager, obj, *args, **kwargs):
         return _here.restored.answer(obj.rid)
     if _here.worker.is_sleeping() and not _here.worker.gate.queue_while_sleeping:
         asleep = asleep_error("language")
-        stream = _refused(asleep.kind.http_status, str(asleep))
+        stream = _refused(asleep.kind, str(asleep))
     elif (why := too_long(obj, manager.context_len)) is not None:
-        stream = _refused(400, why)
+        stream = _refused(FailureKind.BAD_REQUEST, why)
     else:
         try:
             if name_room(obj, _here.allowed, _here.receiver.room_marker) and request is not None:
@@ -205,7 +205,7 @@ def around_generate_request(original, manager, obj, *args, **kwargs):
                 setattr(obj, CLIENT_ATTRIBUTE, request)  # its room ends if the client goes away
             stream = _here.receiver.annotated(obj, original(manager, obj, *args, **kwargs))
         except HTTPError as exc:
-            stream = _refused(exc.status, exc.message)
+            stream = _refused(exc.kind, exc.message)
     return with_status(stream, _openai_route(request))
 
 
@@ -220,18 +220,21 @@ def name_room(obj, allowed: BootstrapAllowList, marker: str) -> bool:
     if all(value is None for value in named.values()):
         return False
     if any(value is None for value in named.values()):
-        raise HTTPError(400, "bootstrap_host, bootstrap_port and bootstrap_room go together (the two-request flow)")
+        raise HTTPError(FailureKind.BAD_REQUEST,
+                        "bootstrap_host, bootstrap_port and bootstrap_room go together (the two-request flow)")
     if any(isinstance(value, list) for value in named.values()) or not isinstance(obj.text, str | None) or (
             obj.input_ids and isinstance(obj.input_ids[0], list)):
-        raise HTTPError(400, "a batch cannot name encoders by bootstrap_*: send one /generate per prompt")
+        raise HTTPError(FailureKind.BAD_REQUEST,
+                        "a batch cannot name encoders by bootstrap_*: send one /generate per prompt")
     if any(getattr(obj, f"{kind}_data", None) is not None for kind in ("image", "video", "audio")):
-        raise HTTPError(400, "a request names its media in image_data (video_data, audio_data) or by the encoder's "
-                             "bootstrap_room, not both")
+        raise HTTPError(FailureKind.BAD_REQUEST,
+                        "a request names its media in image_data (video_data, audio_data) or by the encoder's "
+                        "bootstrap_room, not both")
     host, port = named["host"], named["port"]
     if not isinstance(host, str):
-        raise HTTPError(400, "bootstrap_host must be a host name or address")
+        raise HTTPError(FailureKind.BAD_REQUEST, "bootstrap_host must be a host name or address")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        raise HTTPError(400, "bootstrap_port must be in 1..65535")
+        raise HTTPError(FailureKind.BAD_REQUEST, "bootstrap_port must be in 1..65535")
     check_room(named["room"])
     allowed.check(check_host(host), port)
     obj.image_data = [marker]
@@ -251,14 +254,15 @@ async def _no_local_media(*args, **kwargs):
     nothing for a request it thinks has media: this server runs no vision tower."""
     from sglang_ext.mm_receiver import EmbeddingUnavailable
 
-    raise EmbeddingUnavailable(400, "no image, video or audio reference could be read from this request (each must "
-                                    "be a path, URL or data: URI); this server does not process media itself")
+    raise EmbeddingUnavailable(FailureKind.BAD_REQUEST,
+                               "no image, video or audio reference could be read from this request (each must "
+                               "be a path, URL or data: URI); this server does not process media itself")
 
 
-async def _refused(status: int, message: str):
+async def _refused(kind: FailureKind, message: str):
     from sglang_ext.mm_receiver import EmbeddingUnavailable
 
-    raise EmbeddingUnavailable(status, message)
+    raise EmbeddingUnavailable(kind, message)
     yield  # an async generator, as SGLang's generate_request is
 
 
@@ -281,7 +285,7 @@ async def with_status(stream, openai: bool):
     except EmbeddingUnavailable as exc:
         if not openai:
             raise
-        raise HTTPException(exc.status_code, str(exc)) from None
+        raise HTTPException(exc.status_code, str(exc), exc.kind.headers() or None) from None
     finally:
         await stream.aclose()
 

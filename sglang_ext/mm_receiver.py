@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from connector import TransferFailure
+from connector import FailureKind, TransferFailure
 from language_side.dispatch import Embedded, EncoderDispatch, ImageRefused
 from language_side.layout import LayoutError
 from language_side.transfer_meta import TransferMeta
@@ -47,11 +47,16 @@ ITEM_OPTIONS = ("max_long_side_pixel", "max_dynamic_patch", "preprocess_kwargs")
 
 
 class EmbeddingUnavailable(ValueError):
-    """A request's images could not be embedded; ``status_code`` is the HTTP status SGLang answers."""
+    """A request's images could not be embedded, for ``kind``; ``status_code`` is the HTTP status
+    SGLang answers (it reads that attribute of a ``ValueError``)."""
 
-    def __init__(self, status_code: int, message: str) -> None:
+    def __init__(self, kind: FailureKind, message: str) -> None:
         super().__init__(message)
-        self.status_code = status_code
+        self.kind = kind
+
+    @property
+    def status_code(self) -> int:
+        return self.kind.http_status
 
 
 def media_sources(data: Any, kind: str = "image") -> list[str]:
@@ -70,11 +75,13 @@ def media_sources(data: Any, kind: str = "image") -> list[str]:
             continue
         url = item.get("url") if isinstance(item, dict) else getattr(item, "url", item)
         if options := _item_options(item):
-            raise EmbeddingUnavailable(400, f"per-{kind} options {sorted(options)} are not passed on to the encoders "
-                                            f"(each {kind} is resized and sampled by the encoder's defaults)")
+            raise EmbeddingUnavailable(FailureKind.BAD_REQUEST,
+                                       f"per-{kind} options {sorted(options)} are not passed on to the encoders "
+                                       f"(each {kind} is resized and sampled by the encoder's defaults)")
         if not isinstance(url, str) or not url:
-            raise EmbeddingUnavailable(400, f"each {kind} must be given by a string (path, URL or data: URI), "
-                                            f"not {type(url).__name__}")
+            raise EmbeddingUnavailable(FailureKind.BAD_REQUEST,
+                                       f"each {kind} must be given by a string (path, URL or data: URI), "
+                                       f"not {type(url).__name__}")
         sources.append(url)
     return sources
 
@@ -135,8 +142,9 @@ class ResumableReceiver:
         sources = {kind: media_sources(getattr(request_obj, f"{kind}_data"), kind) for kind in MODALITIES}
         for kind, refs in sources.items():
             if len(refs) > self.limits.get(kind, len(refs)):
-                raise EmbeddingUnavailable(400, f"{len(refs)} {kind}s in one request, over the limit of "
-                                                f"{self.limits[kind]} (--limit-mm-data-per-request)")
+                raise EmbeddingUnavailable(FailureKind.BAD_REQUEST,
+                                           f"{len(refs)} {kind}s in one request, over the limit of "
+                                           f"{self.limits[kind]} (--limit-mm-data-per-request)")
         # Media always come through the connector, whatever ``need_wait_for_mm_inputs`` says: SGLang
         # leaves it None on each choice of an n>1 request (``GenerateReqInput.__getitem__`` does not
         # copy it), and a None here would make SGLang encode the images itself.
@@ -164,7 +172,8 @@ class ResumableReceiver:
             inputs = mm_processor.get_validated_mm_data(prompt, embeddings, **layout)
         except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as exc:  # placeholders disagree
             counts = ", ".join(f"{len(refs)} {kind}(s)" for kind, refs in sources.items())
-            raise EmbeddingUnavailable(400, f"the prompt's placeholders do not match its {counts}: {exc}") from None
+            raise EmbeddingUnavailable(FailureKind.BAD_REQUEST,
+                                       f"the prompt's placeholders do not match its {counts}: {exc}") from None
         digested = _adopt_digests(inputs, embeddings, {Modality[kind.upper()]: part.rows_sha256
                                                       for kind, part in embedded.items()})
         built_ms = (time.monotonic() - built_at) * 1e3
@@ -198,7 +207,8 @@ class ResumableReceiver:
         try:
             return await self._tracked(rid, receiving, getattr(request_obj, CLIENT_ATTRIBUTE, None))
         except LayoutError as exc:
-            raise EmbeddingUnavailable(502, f"the embedding from the encoder at {addr} cannot be placed: {exc}") from None
+            raise EmbeddingUnavailable(FailureKind.PROTOCOL,
+                                       f"the embedding from the encoder at {addr} cannot be placed: {exc}") from None
 
     async def _embed(self, rid: str, sources: dict[str, list[str]]) -> dict[str, Embedded]:
         """The request's images, videos and audio clips, at the encoders at once; when one kind
@@ -226,17 +236,15 @@ class ResumableReceiver:
         watcher = asyncio.ensure_future(_end_when_gone(client, task)) if client is not None else None
         try:
             return await task
-        except ImageRefused as exc:
-            raise EmbeddingUnavailable(exc.status, str(exc)) from None
-        except TransferFailure as exc:
-            raise EmbeddingUnavailable(exc.kind.http_status, str(exc)) from None
+        except (ImageRefused, TransferFailure) as exc:
+            raise EmbeddingUnavailable(exc.kind, str(exc)) from None
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # the client went away: SGLang's handler is cancelled
                 raise
             if watcher is not None and watcher.done() and not watcher.cancelled() and watcher.exception() is None \
                     and watcher.result():  # ... or this receiver saw it go
-                raise EmbeddingUnavailable(499, f"request {rid}: the client went away") from None
-            raise EmbeddingUnavailable(499, f"request {rid}: aborted by /abort_request") from None
+                raise EmbeddingUnavailable(FailureKind.CANCELLED, f"request {rid}: the client went away") from None
+            raise EmbeddingUnavailable(FailureKind.CANCELLED, f"request {rid}: aborted by /abort_request") from None
         finally:
             if watcher is not None:
                 watcher.cancel()

@@ -213,7 +213,7 @@ def test_the_two_request_flow_is_open_only_to_the_hosts_allowed_for_it() -> None
     closed = BootstrapAllowList([])
     with pytest.raises(HTTPError) as refused:
         closed.check("127.0.0.1", 8998)
-    assert refused.value.status == 403 and "needs --allowed-bootstrap-hosts 127.0.0.1" in str(refused.value)
+    assert refused.value.kind.http_status == 403 and "needs --allowed-bootstrap-hosts 127.0.0.1" in str(refused.value)
     BootstrapAllowList(["127.0.0.1"]).check("127.0.0.1", 8998)
     only_port = BootstrapAllowList(["10.0.0.5:8998"])
     only_port.check("10.0.0.5", 8998)

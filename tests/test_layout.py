@@ -1,5 +1,6 @@
-"""Image grids read back from the M-RoPE positions an embedding comes with (the reference fork's
-wire), and the reference prompt's placeholder expansion."""
+"""Image grids from the encoder's answer (checked against the rows that came) or, in the
+two-request flow, read back from the M-RoPE positions an embedding comes with (the reference
+fork's wire), and the reference prompt's placeholder expansion."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from monolithic import expand_image_pads
 from transformers import AutoTokenizer
 
 from embedding_side.positions import image_positions
+from language_side.dispatch import image_layout
 from language_side.layout import LayoutError, grids_from_positions, image_token_count
 
 pytestmark = pytest.mark.fast
@@ -30,6 +32,16 @@ def test_positions_that_fit_no_image_grid_are_refused() -> None:
             grids_from_positions(bad)
     with pytest.raises(LayoutError, match=r"must be \[3, n>0\]"):
         grids_from_positions(mrope[:2])
+
+
+def test_image_grids_from_the_encoders_answer_must_describe_the_rows_that_came() -> None:
+    answer = {"grid_thw": [[1, 16, 16], [1, 4, 6]]}
+    assert image_layout(answer, 64 + 6, 2) == ([(1, 16, 16), (1, 4, 6)], {})
+    for bad, rows, images in ((answer, 71, 2), (answer, 70, 1), ({"grid_thw": [[1, 16]]}, 4, 1), ({}, 4, 1),
+                              ({"grid_thw": [[2, 4, 4]]}, 8, 1), ({"grid_thw": [[1, 3, 4]]}, 3, 1),
+                              ({"grid_thw": [[1, 0, 4]]}, 0, 1)):
+        with pytest.raises(LayoutError):
+            image_layout(bad, rows, images)
 
 
 def test_the_reference_prompt_repeats_each_pad_once_per_row(seeded_checkpoint) -> None:

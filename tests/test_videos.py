@@ -15,10 +15,11 @@ import pytest
 import requests
 from fake_encoder import FakeEncoder
 from sglang_stack import write_clips
-from workers import InProcessWorker
 
+from connector import FailureKind
 from embedding_side.images import ImageInputError, MediaPolicy
 from embedding_side.videos import container, open_video
+from harness.workers import InProcessWorker
 from language_side.dispatch import EncoderDispatch, ImageRefused, video_layout
 from language_side.embedding_cache import EmbeddingCache
 from language_side.layout import LayoutError
@@ -147,7 +148,7 @@ def test_when_the_images_fail_the_videos_of_the_request_are_cancelled() -> None:
     class Dispatch:
         async def embed(self, rid, images):
             await asyncio.sleep(0.05)
-            raise ImageRefused(400, "encoder refused the image")
+            raise ImageRefused(FailureKind.BAD_REQUEST, "encoder refused the image")
 
         async def embed_media(self, rid, videos, modality):
             try:
@@ -169,7 +170,7 @@ def test_a_video_no_encoder_takes_is_a_400_before_any_is_asked() -> None:
         encoder.modalities = ("image",)
     with pytest.raises(ImageRefused, match=r"none of this language server's encoders takes videos") as refused:
         asyncio.run(dispatch._part("rid", 0, ["v.mp4"], "video"))
-    assert refused.value.status == 400
+    assert refused.value.kind.http_status == 400
 
 
 @pytest.mark.parametrize(("media", "named"), [({"videos": ["v.mp4"]}, "the video"),
@@ -196,4 +197,4 @@ def test_an_encoders_refusal_names_what_it_refused(media, named) -> None:
 
     with pytest.raises(ImageRefused, match=f"refused {named} \\(400\\): .*frames do not decode") as refused:
         asyncio.run(ask())
-    assert refused.value.status == 400
+    assert refused.value.kind.http_status == 400

@@ -19,11 +19,12 @@ from connector import CheckpointError, FailureKind, TransferFailure
 
 
 class HTTPError(Exception):
-    """An error with the HTTP status it maps to; the message goes to the client as is."""
+    """A request refused before any transfer began; ``kind`` says its status (the message goes
+    to the client as is)."""
 
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, kind: FailureKind, message: str) -> None:
         super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
+        self.kind, self.message = kind, message
 
 
 def asleep_error(role: str) -> TransferFailure:
@@ -44,9 +45,9 @@ def sleep_params(query: Mapping[str, str]) -> tuple[int, bool]:
     level = query.get("level", "1")
     preserve = query.get("preserve_state", "false").lower()
     if level not in ("1", "2"):
-        raise HTTPError(400, f"level must be 1 or 2, got {level!r}")
+        raise HTTPError(FailureKind.BAD_REQUEST, f"level must be 1 or 2, got {level!r}")
     if preserve not in ("true", "false", "1", "0"):
-        raise HTTPError(400, f"preserve_state must be true or false, got {preserve!r}")
+        raise HTTPError(FailureKind.BAD_REQUEST, f"preserve_state must be true or false, got {preserve!r}")
     return int(level), preserve in ("true", "1")
 
 
@@ -85,7 +86,7 @@ def check_admin(authorization: str | None, admin_api_key: str | None) -> None:
         return
     scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), admin_api_key.encode()):
-        raise HTTPError(401, "this route needs the admin API key (Authorization: Bearer ...)")
+        raise HTTPError(FailureKind.UNAUTHORIZED, "this route needs the admin API key (Authorization: Bearer ...)")
 
 
 @web.middleware
@@ -99,14 +100,13 @@ async def errors_as_json(request: web.Request, handler: Callable[[web.Request], 
 
 
 def error_reply(exc: HTTPError | TransferFailure | CheckpointError
-                ) -> tuple[int, str, dict[str, str], FailureKind | None]:
+                ) -> tuple[int, str, dict[str, str], FailureKind]:
     """The status, message, headers and failure kind an error of ours is answered with."""
-    if isinstance(exc, HTTPError):
-        return exc.status, exc.message, exc.headers, None
-    if isinstance(exc, TransferFailure):  # a request that failed: its kind says the status
-        return exc.kind.http_status, str(exc), exc.kind.headers(), exc.kind
-    # a wake-up refused its checkpoint; nothing was loaded
-    return 422, f"{exc}; fix or remove it, or wake with discard_checkpoint=true", {}, None
+    if isinstance(exc, CheckpointError):  # a wake-up refused its checkpoint; nothing was loaded
+        kind, message = FailureKind.BAD_CHECKPOINT, f"{exc}; fix or remove it, or wake with discard_checkpoint=true"
+    else:
+        kind, message = exc.kind, str(exc)
+    return kind.http_status, message, kind.headers(), kind
 
 
 class StrictBody(BaseModel):
@@ -123,7 +123,7 @@ async def read_body(request: web.Request, model: type[Body]) -> Body:
     try:
         return model.model_validate_json(await request.read())
     except ValidationError as exc:
-        raise HTTPError(400, _first_problem(exc, model)) from None
+        raise HTTPError(FailureKind.BAD_REQUEST, _first_problem(exc, model)) from None
 
 
 def _first_problem(exc: ValidationError, model: type[BaseModel]) -> str:
@@ -161,7 +161,7 @@ def check_host(value: str) -> str:
     except ValueError:
         labels = value.removesuffix(".").split(".")
         if len(value) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
-            raise HTTPError(400, "bootstrap_host must be a host name or an IP address") from None
+            raise HTTPError(FailureKind.BAD_REQUEST, "bootstrap_host must be a host name or an IP address") from None
         return value
     return f"[{address}]" if address.version == 6 else str(address)
 
@@ -195,8 +195,9 @@ class BootstrapAllowList:
         """HTTPError 403 unless ``host:port`` (``host`` as :func:`check_host` returned it) is allowed."""
         name = _canonical_host(host.strip("[]"))
         if name not in self._hosts and (name, port) not in self._addrs:
-            raise HTTPError(403, f"bootstrap_host {host}:{port} is not an encoder this worker may contact (the "
-                                 f"two-request flow needs --allowed-bootstrap-hosts {host})")
+            raise HTTPError(FailureKind.FORBIDDEN,
+                            f"bootstrap_host {host}:{port} is not an encoder this worker may contact (the "
+                            f"two-request flow needs --allowed-bootstrap-hosts {host})")
 
 
 def _host_and_port(entry: str) -> tuple[str, int | None]:
@@ -222,7 +223,7 @@ def _canonical_host(value: str) -> str:
 
 def check_room(value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
-        raise HTTPError(400, "bootstrap_room must be an integer in [0, 2^63)")
+        raise HTTPError(FailureKind.BAD_REQUEST, "bootstrap_room must be an integer in [0, 2^63)")
     return value
 
 
