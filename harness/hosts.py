@@ -3,7 +3,7 @@ bridge, so that workers bind, advertise and reach real addresses other than 127.
 
 This process's own namespace is the client host: it holds the bridge's address and reaches
 every host. Links are shaped with ``tc`` (``tbf``: a line rate), delayed by
-``scripts/link_delay.py`` (this kernel has no ``netem``) and cut with ``iptables`` (both
+``harness/link_delay.py`` (this kernel has no ``netem``) and cut with ``iptables`` (both
 directions, one direction, or a random share of the packets), which leaves each host's other
 links alone. Needs root, ``iproute2`` and ``iptables`` (``scripts/setup.sh`` installs them).
 

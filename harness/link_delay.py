@@ -1,5 +1,5 @@
 """Adds a fixed delay to every packet of one netfilter queue: a link's propagation delay where
-the kernel has no ``netem`` (``scripts/hosts.py`` runs it inside a host's namespace).
+the kernel has no ``netem`` (``harness/hosts.py`` runs it inside a host's namespace).
 
 iptables rules send the host's packets to queue ``--queue`` (``NFQUEUE --queue-bypass``: with
 no process bound to the queue they pass undelayed). This process asks the kernel for each

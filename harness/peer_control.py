@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import zmq
-from connector_peer import PeerService
 
 from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool
@@ -22,6 +21,7 @@ from connector.config import ConnectorConfig
 from connector.memory_transport import MemoryTransport
 from connector.mooncake_transport import MooncakeTransport
 from connector.receiver import EmbeddingReceiverManager
+from harness.connector_peer import PeerService
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "connector_peer.py"
 

@@ -14,8 +14,9 @@ here). Nothing has run a torch kernel or started a thread in the launcher at tha
 Used by :class:`workers.WorkerProcess` when ``EPD_FORK_WORKERS=1`` (the test suite sets it) for
 workers started by ``python -m sglang.launch_server``; ``sglang serve`` and ``EPD_FORK_WORKERS=0``
 start fresh, SGLang's children spawned. Protocol, one JSON object per
-line: the parent writes ``{"id", "argv", "env", "cwd", "log", "netns", "nice"}`` (``nice``: the CPU
-priority the worker starts at, as a child process inherits its parent's); the zygote answers
+line: the parent writes ``{"id", "argv", "env", "cwd", "log", "netns", "nice", "script"}`` (``nice``: the
+CPU priority the worker starts at, as a child process inherits its parent's; ``script``: a Python
+file the child runs as ``python <script> *argv`` would, instead of the launcher); the zygote answers
 ``{"id", "pid"}`` (or ``{"id", "error"}``) at once and ``{"id", "exit"}`` when that worker has ended
 (its exit code, or minus the signal that ended it, as :class:`subprocess.Popen` reports it).
 
@@ -109,8 +110,9 @@ class Zygote:
         self._answered = threading.Condition(self._lock)
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, log: str, netns: str | None = None,
-              nice: int | None = None, timeout: float = 120.0) -> ForkedProcess:
-        """``nice``: the worker's CPU priority; by default the calling thread's."""
+              nice: int | None = None, timeout: float = 120.0, script: str | None = None) -> ForkedProcess:
+        """``nice``: the worker's CPU priority; by default the calling thread's. ``script``: run that
+        Python file instead of the launcher."""
         if nice is None:
             nice = os.getpriority(os.PRIO_PROCESS, 0)
         with self._lock:
@@ -118,7 +120,7 @@ class Zygote:
                 self._open()
             key = next(self._keys)
             self._writer.write(json.dumps({"id": key, "argv": argv, "env": env, "cwd": cwd, "log": log,
-                                           "netns": netns, "nice": nice}) + "\n")
+                                           "netns": netns, "nice": nice, "script": script}) + "\n")
             self._writer.flush()
             if not self._answered.wait_for(lambda: key in self._pids or self._closed.is_set(), timeout):
                 raise RuntimeError(f"the worker zygote did not fork within {timeout:g}s")
@@ -126,7 +128,7 @@ class Zygote:
             why = answer["error"] if answer and "error" in answer else None if answer else self._why_closed()
         if why is not None:
             raise RuntimeError(f"the worker zygote could not fork: {why}")
-        return ForkedProcess(self, key, answer["pid"], [sys.executable, "-m", LAUNCHER, *argv])
+        return ForkedProcess(self, key, answer["pid"], [sys.executable, *_program(script), *argv])
 
     def exit_code(self, key: int) -> int | None:
         with self._lock:
@@ -225,6 +227,16 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str, log: str, netns: str |
     return _ZYGOTE.spawn(argv, env, cwd, log, netns)
 
 
+def run_script(script: str, argv: list[str], env: dict[str, str], cwd: str, log: str) -> ForkedProcess:
+    """Fork a process running ``python <script> *argv`` from the zygote: a script that needs what
+    the zygote imported (SGLang) without importing it again."""
+    return _ZYGOTE.spawn(argv, env, cwd, log, script=script)
+
+
+def _program(script: str | None) -> list[str]:
+    return [script] if script else ["-m", LAUNCHER]
+
+
 def share(folder: str) -> None:
     """Let the processes this one starts from now on fork their workers from its zygote (a socket in
     ``folder``)."""
@@ -277,13 +289,19 @@ def _run_worker(request: dict) -> None:
         random.seed()  # a fresh process seeds itself from the OS; a fork would share the zygote's state
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
-        sys.argv = [sys.executable, *request["argv"]]
-        setproctitle.setproctitle(" ".join([sys.executable, "-m", LAUNCHER, *request["argv"]]))  # as ps shows a fresh one
-        sys.path[:] = [request["cwd"], *_BASE_PATH]  # as `python -m` has it: the working folder first
+        script = request.get("script")
+        sys.argv = [script or sys.executable, *request["argv"]]
+        # as ps shows a fresh one
+        setproctitle.setproctitle(" ".join([sys.executable, *_program(script), *request["argv"]]))
+        # as `python -m` has it (the working folder first), or `python <script>` (its folder)
+        sys.path[:] = [str(Path(script).resolve().parent) if script else request["cwd"], *_BASE_PATH]
         try:
             if preload := request["env"].get(PRELOAD):
                 runpy.run_path(preload)["install"]()
-            runpy.run_module(LAUNCHER, run_name="__main__", alter_sys=True)
+            if script:
+                runpy.run_path(script, run_name="__main__")
+            else:
+                runpy.run_module(LAUNCHER, run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

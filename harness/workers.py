@@ -19,8 +19,9 @@ from pathlib import Path
 
 import psutil
 import requests
-import worker_zygote
 from aiohttp.test_utils import TestServer
+
+from harness import worker_zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 LIVE: set[WorkerProcess] = set()  # started and not yet seen to exit, for dump_live_workers

@@ -19,12 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import openai  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402
 from transfer_large_image import make_image  # noqa: E402
-from workers import WorkerProcess, free_port, start_together  # noqa: E402
+
+from harness.workers import WorkerProcess, free_port, start_together  # noqa: E402
 
 
 def chat_turns(url: str, image_uri: str, turns: int) -> list[dict]:

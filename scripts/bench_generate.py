@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import requests  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402
 from transfer_large_image import make_image  # noqa: E402
-from workers import SGLANG_READY, WorkerProcess, free_port, start_together  # noqa: E402
+
+from harness.workers import SGLANG_READY, WorkerProcess, free_port, start_together  # noqa: E402
 
 SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 SIZES = ((448, 448), (1024, 1024), (2048, 2048), (3840, 2160))

@@ -56,11 +56,13 @@ from pathlib import Path
 
 import requests
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hosts import Network  # noqa: E402
 from transfer_large_image import make_image  # noqa: E402
-from workers import (  # noqa: E402
+
+from harness.hosts import Network  # noqa: E402
+from harness.workers import (  # noqa: E402
     SGLANG_LAUNCH,
     SGLANG_READY,
     MooncakeMaster,

@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_transfer import socket_fetch  # noqa: E402
-from hosts import Network  # noqa: E402
-from peer_control import EncodePeer, assert_blocks_back, close_receiving_side, receiving_side  # noqa: E402
 
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.receiver import receive_embedding  # noqa: E402
+from harness.hosts import Network  # noqa: E402
+from harness.peer_control import EncodePeer, assert_blocks_back, close_receiving_side, receiving_side  # noqa: E402
 
 TOKENS = 10_549  # a 3840x2160 image on Qwen2.5-VL
 HIDDEN = 3584

@@ -29,10 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from transfer_large_image import make_image, run_request  # noqa: E402
-from workers import WorkerProcess, embedding_width  # noqa: E402
+
+from harness.workers import WorkerProcess, embedding_width  # noqa: E402
 
 SIZES = [(448, 448), (1000, 300), (1024, 768), (1920, 1080), (2048, 2048), (3840, 2160)]
 

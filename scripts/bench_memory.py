@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from make_checkpoint import write_checkpoint  # noqa: E402
 from transfer_large_image import make_image  # noqa: E402
-from workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, tree_rss  # noqa: E402
+
+from harness.workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, tree_rss  # noqa: E402
 
 SIZES = ((448, 448), (640, 480), (1024, 768))
 TARGET_MIB = 50.0

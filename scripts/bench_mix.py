@@ -41,12 +41,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402
 from transfer_large_image import make_image  # noqa: E402
-from workers import SGLANG_READY, WorkerProcess  # noqa: E402
+
+from harness.workers import SGLANG_READY, WorkerProcess  # noqa: E402
 
 SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "3840x2160": (3840, 2160)}

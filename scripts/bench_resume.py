@@ -28,10 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peer_control import EncodePeer, assert_blocks_back, close_receiving_side, receiving_side  # noqa: E402
-
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.receiver import receive_embedding  # noqa: E402
+from harness.peer_control import EncodePeer, assert_blocks_back, close_receiving_side, receiving_side  # noqa: E402
 
 SIZES = (4096, 8192, 8193, 16384, 32768, 65536)
 MODES = ("single", "resume", "clone-concat")

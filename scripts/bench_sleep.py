@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from transfer_large_image import make_image  # noqa: E402
-from workers import SGLANG_READY, WorkerProcess, free_port, start_together, tree_rss  # noqa: E402
+
+from harness.workers import SGLANG_READY, WorkerProcess, free_port, start_together, tree_rss  # noqa: E402
 
 SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 P = "<|vision_start|><|image_pad|><|vision_end|>"

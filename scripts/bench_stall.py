@@ -40,10 +40,12 @@ import numpy as np
 import psutil
 import requests
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_checkpoint import write_checkpoint  # noqa: E402
 from transfer_large_image import make_image  # noqa: E402
-from workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, free_port, start_together  # noqa: E402
+
+from harness.workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, free_port, start_together  # noqa: E402
 
 PROMPT = "<|im_start|>user\n{images}Stream {i}: count slowly.<|im_end|>\n<|im_start|>assistant\n"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -36,10 +36,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peer_control import EncodePeer, assert_blocks_back, close_receiving_side, receiving_side  # noqa: E402
-
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.receiver import receive_embedding  # noqa: E402
+from harness.peer_control import EncodePeer, assert_blocks_back, close_receiving_side, receiving_side  # noqa: E402
 
 MiB = 1 << 20
 

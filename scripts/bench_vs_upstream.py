@@ -45,7 +45,8 @@ import psutil  # noqa: E402
 import requests  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402
 from transfer_large_image import make_image  # noqa: E402
-from workers import SGLANG_READY, WorkerProcess, tree_rss  # noqa: E402
+
+from harness.workers import SGLANG_READY, WorkerProcess, tree_rss  # noqa: E402
 
 SGLANG = (sys.executable, "-m", "sglang.launch_server")
 SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "2560x1440": (2560, 1440), "3840x2160": (3840, 2160)}

@@ -40,10 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import requests  # noqa: E402
-from hosts import Network  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402
 from transfer_large_image import DEFAULT_SET, make_image  # noqa: E402
-from workers import SGLANG_READY, WorkerProcess, free_port, start_together  # noqa: E402
+
+from harness.hosts import Network  # noqa: E402
+from harness.workers import SGLANG_READY, WorkerProcess, free_port, start_together  # noqa: E402
 
 SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 P = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -10,7 +10,7 @@ back-off (1, 3, 7, 15 s ...) and the write after the heal waits for it; with
 
     python scripts/probe_mooncake_partition.py [--cut 15] [--rto-max-ms 1000]
 
-Needs root (network namespaces, ``scripts/hosts.py``). ``tests/test_mooncake_partition.py``
+Needs root (network namespaces, ``harness/hosts.py``). ``tests/test_mooncake_partition.py``
 drives its receiver and its ``--transport-sender`` (the connector's own ``MooncakeTransport``)
 to check what that transport says of a write given up on in a cut.
 """
@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--rto-max-ms", type=int, default=0,
                         help="set net.ipv4.tcp_rto_max_ms to this in both hosts (0: leave the default)")
     args = parser.parse_args()
-    from hosts import Network
+    from harness.hosts import Network
 
     me = [sys.executable, str(Path(__file__).resolve())]
     with Network(["sender", "receiver"], rto_max_ms=args.rto_max_ms or None) as net:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fresh-machine setup: Debian's libibverbs1 (Mooncake's TCP transport links it), iproute2 and
-# iptables (the tests' simulated hosts: scripts/hosts.py), then a virtual environment at .venv
+# iptables (the tests' simulated hosts: harness/hosts.py), then a virtual environment at .venv
 # with this package and its extras under the CPU pins, AIPerf in .venv-aiperf and GuideLLM in
 # .venv-guidellm.
 set -euo pipefail

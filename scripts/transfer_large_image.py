@@ -21,9 +21,10 @@ import numpy as np
 import requests
 from PIL import Image
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workers import WorkerProcess, embedding_width  # noqa: E402
+from harness.workers import WorkerProcess, embedding_width  # noqa: E402
 
 DEFAULT_SET = [("448x448", [(448, 448)]), ("1024x1024", [(1024, 1024)]), ("2048x2048", [(2048, 2048)]),
                ("3840x2160", [(3840, 2160)]), ("4x1920x1080", [(1920, 1080)] * 4)]

@@ -28,19 +28,16 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # the harness package; the scripts the tests run too
 # Workers started by SGLang's launcher are forked from a process that imported it once
-# (scripts/worker_zygote.py): 1-3 s a start instead of 13-15 s here. EPD_FORK_WORKERS=0 starts
+# (harness/worker_zygote.py): 1-3 s a start instead of 13-15 s here. EPD_FORK_WORKERS=0 starts
 # each one fresh.
 os.environ.setdefault("EPD_FORK_WORKERS", "1")
 
-import worker_zygote  # noqa: E402
 import zmq  # noqa: E402
 from hypothesis import settings  # noqa: E402
 from make_checkpoint import write_checkpoint  # noqa: E402
-from peer_control import EncodePeer, InProcessPeer  # noqa: E402
 from request_watchdog import RequestWatchdog  # noqa: E402
-from workers import LIVE, dump_live_workers  # noqa: E402
 
 from connector.allocator import BlockAllocator  # noqa: E402
 from connector.buffers import BufferPool  # noqa: E402
@@ -57,6 +54,9 @@ from connector.messages import (  # noqa: E402
 from connector.mooncake_transport import MooncakeTransport  # noqa: E402
 from connector.poll import KVPoll  # noqa: E402
 from connector.receiver import EmbeddingReceiverManager  # noqa: E402
+from harness import worker_zygote  # noqa: E402
+from harness.peer_control import EncodePeer, InProcessPeer  # noqa: E402
+from harness.workers import LIVE, dump_live_workers  # noqa: E402
 
 CONNECTOR_KINDS = ("mooncake", "memory")
 # No per-example deadline: an example is not timed (a run beside a serial test, starved for a
@@ -114,7 +114,7 @@ PRIORITIES_RAISED = _can_raise_priority()
 def _set_priority(nice: int) -> None:
     """Every thread of this process, of the processes it started and of the workers forked for it (and
     their children), at CPU priority ``nice``; threads and workers started later inherit it (a fork
-    from the zygote too: scripts/worker_zygote.py)."""
+    from the zygote too: harness/worker_zygote.py)."""
     for root in [os.getpid(), *(worker.proc.pid for worker in list(LIVE))]:
         with contextlib.suppress(psutil.Error):
             tree = psutil.Process(root)

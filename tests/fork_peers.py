@@ -27,12 +27,12 @@ import numpy as np
 import requests
 import zmq
 from aiohttp import web
-from connector_peer import synthetic_embedding  # scripts/, on the path by conftest
 
 from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool, Embedding
 from connector.mooncake_transport import MooncakeTransport
 from connector.transport import TransferError
+from harness.connector_peer import synthetic_embedding  # scripts/, on the path by conftest
 
 REGISTER = b"None"
 FAILED, TRANSFERRING, SUCCESS = 0, 3, 4  # KVPoll values the fork sends

@@ -15,9 +15,11 @@ import requests
 import torch
 from image_cache import saved_image
 from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs
-from workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, smg_gateway, start_together  # noqa: F401  (the modules import them here)
+
+from harness.workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, smg_gateway, start_together  # noqa: F401  (the modules import them here)
 
 ROOT = Path(__file__).resolve().parent.parent
+ENCODE_ROWS = Path(__file__).resolve().parent / "encode_rows.py"
 NEW_TOKENS = 12
 PROMPT = "<|im_start|>user\n{images}Describe it.<|im_end|>\n<|im_start|>assistant\n"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -29,36 +31,33 @@ CLIPS = {"392x280x8": (392, 280, 8, 2), "448x252x120": (448, 252, 120, 30)}
 SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "3840x2160": (3840, 2160)}
 
 
-# Rows of each image through SGLang's encoder, saved as a safetensors file: run in a process of
-# its own, since SGLang's plugins are loaded once per process (and its parallel groups once too).
-ENCODE = """
-import argparse, sys
-from PIL import Image
-import torch
-from safetensors.torch import save_file
-from embedding_side.sglang_encoder import SGLangEncoder
-from sglang_ext.encoder_flags import standalone_server_args
-folder, out, *paths = sys.argv[1:]
-encoder = SGLangEncoder(standalone_server_args(argparse.Namespace(model_path=folder, host="127.0.0.1", device="cpu")))
-save_file({path: torch.from_numpy(encoder.encode([Image.open(path).convert("RGB")]).embeddings) for path in paths}, out)
-"""
-
-
 def encoded_rows(folder: str, paths: list[str], out: Path, plugins: bool = True) -> dict[str, torch.Tensor]:
     """Each image's rows (bf16 bytes, uint8 ``[tokens, width * 2]``) through SGLang's encoder on
-    ``folder``, one image per forward pass, in a process of its own: with our plugin (as the encode
-    worker runs it) or with none (as upstream SGLang runs it)."""
+    ``folder``, one image per forward pass, in a process of its own (``encode_rows.py``): with our
+    plugin (as the encode worker runs it; forked from the worker zygote when the tests use one) or
+    with none (as upstream SGLang runs it: a fresh interpreter, nothing of ours imported)."""
     import os
     import subprocess
     import sys
 
     from safetensors.torch import load_file
 
+    from harness import worker_zygote
+
     env = {key: value for key, value in os.environ.items() if key != "SGLANG_PLUGINS"}
     env |= {"PYTHONPATH": str(ROOT)} | ({} if plugins else {"SGLANG_PLUGINS": "none"})
-    done = subprocess.run([sys.executable, "-c", ENCODE, folder, str(out), *paths], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    argv = [folder, str(out), *paths]
+    if plugins and os.environ.get("EPD_FORK_WORKERS") == "1":
+        log = out.with_suffix(".log")
+        proc = worker_zygote.run_script(str(ENCODE_ROWS), argv, env, str(ROOT), str(log))
+        try:
+            assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+        finally:
+            proc.kill()  # a no-op once it has ended
+    else:
+        done = subprocess.run([sys.executable, str(ENCODE_ROWS), *argv], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
     return load_file(out)
 
 

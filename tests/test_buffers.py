@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from connector_peer import synthetic_embedding
 
 from connector.addressing import plan_round
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
+from harness.connector_peer import synthetic_embedding
 
 pytestmark = pytest.mark.fast
 

@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-from connector_peer import synthetic_embedding
 from test_transfer import transfer
 
 from connector.allocator import BlockAllocator
@@ -18,6 +17,7 @@ from connector.messages import InitMsg, ResumeMsg, StatusMsg
 from connector.poll import KVPoll
 from connector.sender import EmbeddingSenderManager
 from connector.transport import Transport
+from harness.connector_peer import synthetic_embedding
 
 pytestmark = pytest.mark.transports("mooncake", "memory")
 

@@ -16,7 +16,6 @@ import pytest
 from fake_encoder import FakeEncoder
 from test_faults import wait_for
 from transfer_large_image import make_image
-from workers import free_port
 
 from connector.config import ConnectorConfig
 from connector.messages import InitMsg
@@ -25,6 +24,7 @@ from embedding_side.encoders import EncodedImages
 from embedding_side.images import MediaPolicy
 from embedding_side.shared_encodings import SharedEncodings, join_items, split_items
 from embedding_side.worker import EncodeWorker
+from harness.workers import free_port
 from language_side.dispatch import AFFINITY_SLACK_IMAGES, Encoder, EncoderDispatch
 from language_side.embedding_cache import EmbeddingCache
 from worker_infra import embedding_store

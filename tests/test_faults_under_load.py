@@ -21,7 +21,8 @@ from sglang_stack import encoded_rows
 from test_faults import wait_for
 from test_workers import Pair, assert_pools_free
 from transfer_large_image import make_image, run_request
-from workers import WorkerProcess
+
+from harness.workers import WorkerProcess
 
 pytestmark = pytest.mark.faults
 

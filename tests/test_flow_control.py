@@ -8,12 +8,10 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
-from connector_peer import synthetic_embedding
 from fake_encoder import FakeEncoder
 from test_early_resume import GatedTransport
 from test_faults import wait_for
 from transfer_large_image import make_image
-from workers import free_port
 
 from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool, Embedding
@@ -26,6 +24,8 @@ from connector.staging import ByteBudget
 from embedding_side.encoders import decode_bytes
 from embedding_side.images import MediaPolicy, open_image
 from embedding_side.worker import EncodeWorker
+from harness.connector_peer import synthetic_embedding
+from harness.workers import free_port
 from worker_infra.sleep import WorkerState
 
 pytestmark = pytest.mark.fast

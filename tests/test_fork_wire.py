@@ -17,13 +17,13 @@ import pytest
 import requests
 from conftest import wait_peer_idle
 from fork_peers import ForkEncoder, ForkLanguage
-from peer_control import EncodePeer
 from transfer_large_image import make_image
-from workers import WorkerProcess
 
 from connector.failures import FailureKind
 from connector.poll import KVPoll
 from connector.receiver import ReceiverPhase, receive_embedding
+from harness.peer_control import EncodePeer
+from harness.workers import WorkerProcess
 
 T = TypeVar("T")
 TOKENS = 10_000  # 79 blocks of 128: a first round of 8192 tokens and at least one resume

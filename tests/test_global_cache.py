@@ -27,8 +27,8 @@ from sglang_stack import (
     metric,
     write_images,
 )
-from workers import MooncakeMaster, WorkerProcess, start_together
 
+from harness.workers import MooncakeMaster, WorkerProcess, start_together
 from worker_infra.embedding_store import media_key, pack, unpack
 
 pytestmark = pytest.mark.sglang
@@ -199,7 +199,8 @@ def test_the_master_killed_mid_trace_costs_no_request_its_answer(cluster, master
         assert time.monotonic() - started < 60
     assert cluster.total(ENCODED) == encoded + len(trace)
     # the hash routing may send all three to one encoder: the other never asked the store
-    asked = [encoder for encoder, before in zip(cluster.encoders, encoded_by) if metric(encoder, ENCODED) > before]
+    asked = [encoder for encoder, before in zip(cluster.encoders, encoded_by, strict=True)
+             if metric(encoder, ENCODED) > before]
     assert asked
     for worker in (*cluster.languages, *asked):
         assert metric(worker, "epd_global_cache_available") == 0

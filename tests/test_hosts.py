@@ -1,5 +1,5 @@
 """Workers on separate hosts: each in its own network namespace with its own address on a bridge
-(``scripts/hosts.py``), this test process the client host. SGLang's encoder on two encoder hosts,
+(``harness/hosts.py``), this test process the client host. SGLang's encoder on two encoder hosts,
 SGLang's server on two language hosts (each sending to both encoders), all bound to every
 interface (``--host 0.0.0.0``) and advertising their own address (``--advertise-host``), with a
 control secret and an admin key; smg in plain routing over both language hosts on a gateway
@@ -31,7 +31,6 @@ import psutil
 import pytest
 import requests
 import zmq
-from hosts import Network
 from monolithic import greedy_mismatch
 from sglang_stack import (
     LANGUAGE_FLAGS,
@@ -47,9 +46,10 @@ from sglang_stack import (
     write_images,
 )
 from transfer_large_image import make_image
-from workers import ROOT, SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, free_port, start_together
 
 from connector.zmq_link import PushSockets
+from harness.hosts import Network
+from harness.workers import ROOT, SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, free_port, start_together
 from sglang_ext.language_flags import cpu_kv_tokens
 
 pytestmark = [pytest.mark.hosts, pytest.mark.sglang]

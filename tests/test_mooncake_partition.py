@@ -18,7 +18,8 @@ import zlib
 from pathlib import Path
 
 import pytest
-from hosts import Network
+
+from harness.hosts import Network
 
 pytestmark = pytest.mark.hosts
 

@@ -38,10 +38,10 @@ from sglang_stack import (
     start_together,
 )
 from transfer_large_image import make_image
-from workers import WorkerProcess
 
 from connector.messages import RegisterMsg, StatusMsg
 from connector.poll import KVPoll
+from harness.workers import WorkerProcess
 
 pytestmark = [pytest.mark.faults, pytest.mark.sglang]
 

@@ -43,9 +43,9 @@ from sglang_stack import (
     write_images,
 )
 from transfer_large_image import make_image
-from workers import WorkerProcess
 
 from connector.failures import FailureKind, TransferFailure
+from harness.workers import WorkerProcess
 from language_side.dispatch import Encoder, EncoderDispatch, _EncoderFault, affinity_of, rendezvous_weight
 from language_side.embedding_cache import EmbeddingCache
 

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 import pytest
 import zmq
 from conftest import RawLanguage
-from connector_peer import synthetic_embedding
 from test_early_resume import GatedTransport
 from test_faults import wait_for
 
@@ -24,6 +23,7 @@ from connector.messages import AbortAckMsg, AbortMsg, InitMsg, ResumeMsg, Status
 from connector.poll import KVPoll
 from connector.sender import EmbeddingSender, EmbeddingSenderManager
 from connector.transport import WriteUnsettled
+from harness.connector_peer import synthetic_embedding
 
 pytestmark = pytest.mark.fast
 

@@ -20,7 +20,8 @@ import requests
 from checkpoint_qwen2_audio import write_qwen2_audio_checkpoint
 from monolithic import Greedy, greedy_generate, greedy_mismatch
 from sglang_stack import AUDIO_CLIPS, NEW_TOKENS, encoder_health, sglang_pair, write_audio_clips
-from workers import WorkerProcess
+
+from harness.workers import WorkerProcess
 
 pytestmark = pytest.mark.sglang
 

@@ -41,10 +41,10 @@ from sglang_stack import (
 )
 from test_faults import wait_for
 from test_sleep_workers import sleep_, wake
-from workers import WorkerProcess
 
 from connector.poll import KVPoll
 from connector.receiver import finish_receiving
+from harness.workers import WorkerProcess
 
 pytestmark = pytest.mark.sglang
 

@@ -45,8 +45,8 @@ from sglang_stack import (
 )
 from transfer_large_image import make_image
 from transformers import Qwen2_5_VLForConditionalGeneration
-from workers import SGLANG_READY, WorkerProcess, start_together
 
+from harness.workers import SGLANG_READY, WorkerProcess, start_together
 from sglang_ext.language_flags import cpu_kv_tokens
 
 pytestmark = pytest.mark.sglang

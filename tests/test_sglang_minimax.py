@@ -23,7 +23,8 @@ from monolithic import Greedy, greedy_generate, greedy_mismatch
 from PIL import Image
 from sglang_stack import NEW_TOKENS, SIZES, encoder_health, sglang_pair, write_images
 from transfer_large_image import make_image
-from workers import WorkerProcess
+
+from harness.workers import WorkerProcess
 
 pytestmark = pytest.mark.sglang
 

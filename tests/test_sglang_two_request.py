@@ -20,10 +20,10 @@ from monolithic import greedy_mismatch
 from sglang_stack import NEW_TOKENS, encoder_health, generate, image_reference, prompt, write_images
 from transfer_large_image import make_image
 from transformers import AutoTokenizer
-from workers import WorkerProcess, start_together
 
 from connector.buffers import Embedding
 from embedding_side.positions import image_positions
+from harness.workers import WorkerProcess, start_together
 
 pytestmark = pytest.mark.sglang
 

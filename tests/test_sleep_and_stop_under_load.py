@@ -13,7 +13,8 @@ import pytest
 import requests
 from test_workers import Pair, assert_pools_free
 from transfer_large_image import make_image, run_request
-from workers import WorkerProcess
+
+from harness.workers import WorkerProcess
 
 pytestmark = [pytest.mark.load, pytest.mark.serial]  # every request ends within a stated time
 

@@ -17,10 +17,10 @@ import requests
 from test_faults import wait_for
 from test_workers import Pair, assert_pools_free, images  # noqa: F401  (fixture)
 from transfer_large_image import make_image, run_request
-from workers import WorkerProcess, start_together
 
 from connector.poll import KVPoll
 from connector.receiver import EmbeddingReceiver, finish_receiving
+from harness.workers import WorkerProcess, start_together
 
 QUEUE = ("--queue-while-sleeping",)
 
@@ -243,12 +243,12 @@ def test_corrupt_truncated_or_mismatched_checkpoints_are_refused_whole(model, im
 
 
 @pytest.mark.soak
-def test_soak_4_sleep_wake_cycles_while_16_requests_flow(model, tmp_path: Path) -> None:
-    """Level 1 and level 2 at random on either worker while 16 flows of 448x448 to 4K images run:
+def test_soak_4_sleep_wake_cycles_while_8_requests_flow(model, tmp_path: Path) -> None:
+    """Level 1 and level 2 at random on either worker while 8 flows of 448x448 to 4K images run:
     every request matches. (A level-2 wake-up reloads SGLang's encoder's weights from disk: about
     4 s a cycle here, so 4 cycles.)"""
     paths = []
-    for i, (w, h) in enumerate([(448, 448), (1024, 768), (2048, 2048), (3840, 2160)] * 4):
+    for i, (w, h) in enumerate([(448, 448), (1024, 768), (2048, 2048), (3840, 2160)] * 2):
         paths.append(str(tmp_path / f"{i}.png"))
         make_image(w, h, seed=i).save(paths[-1])
     pair = Pair(*QUEUE, model_path=model, language_args=("--embedding-cache-buffer-size", "120",
@@ -268,7 +268,7 @@ def test_soak_4_sleep_wake_cycles_while_16_requests_flow(model, tmp_path: Path) 
 
     start = time.monotonic()
     try:
-        with ThreadPoolExecutor(16) as pool:
+        with ThreadPoolExecutor(len(paths)) as pool:
             flows = [pool.submit(flow, p) for p in paths]
             for _ in range(4):
                 worker = rng.choice([pair.encode, pair.language])
@@ -282,7 +282,7 @@ def test_soak_4_sleep_wake_cycles_while_16_requests_flow(model, tmp_path: Path) 
         wall = time.monotonic() - start
         print(f"\nsoak: 4 sleep/wake cycles, {len(done)} requests matched, {len(errors)} failed, {wall:.1f}s")
         assert not errors, errors[:3]
-        assert len(done) >= 16
+        assert len(done) >= len(paths)
         resumed = sum(r["resume_rounds"] for r in done)
         assert resumed > len(done) // 4  # several needed 2+ rounds
         assert_pools_free(pair)

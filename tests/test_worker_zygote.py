@@ -1,4 +1,4 @@
-"""The tests' worker zygote (scripts/worker_zygote.py), shared with the scripts they run: a script
+"""The tests' worker zygote (harness/worker_zygote.py), shared with the scripts they run: a script
 forks its workers from it instead of importing SGLang in a zygote of its own, gets their exit codes
 through the socket, and what it leaves running when it ends is killed. A worker starts at its
 starter's CPU priority (the serial tests raise theirs: tests/conftest.py), as a child process would."""
@@ -12,8 +12,9 @@ import sys
 import time
 
 import psutil
-import worker_zygote
-from workers import ROOT
+
+from harness import worker_zygote
+from harness.workers import ROOT
 
 # A script that lowers its CPU priority, starts two transfer-only receivers (no model) by SGLang's
 # launcher, stops one, and ends without stopping the other.
@@ -21,7 +22,7 @@ SCRIPT = f"""
 import json, os, sys
 sys.path.insert(0, {str(ROOT / "scripts")!r})
 import psutil
-from workers import WorkerProcess
+from harness.workers import WorkerProcess
 wanted = min(os.getpriority(os.PRIO_PROCESS, 0) + 3, 19)
 os.setpriority(os.PRIO_PROCESS, 0, wanted)
 kept = WorkerProcess("language", "--transfer-only", "--device", "cpu")

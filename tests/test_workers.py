@@ -27,10 +27,10 @@ from PIL import Image
 from sglang_stack import encoded_rows
 from test_faults import wait_for
 from transfer_large_image import make_image, run_request
-from workers import InProcessWorker, WorkerProcess, embedding_width, start_together
 
 from connector.poll import KVPoll
 from connector.receiver import EmbeddingReceiver
+from harness.workers import InProcessWorker, WorkerProcess, embedding_width, start_together
 
 
 class Pair:
@@ -205,8 +205,7 @@ def test_a_worker_whose_picked_port_another_process_took_starts_on_another(monke
     """The harness (the main job, the scripts and the tests start workers through it) picks free
     ports, and another process may bind one before the worker does: the start sees the bind fail
     and picks again, instead of failing the run."""
-    import workers
-
+    from harness import workers
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
