@@ -200,7 +200,7 @@ class Zygote:
                         request = json.loads(line)
                         try:
                             worker = self.spawn(request["argv"], request["env"], request["cwd"], request["log"],
-                                                request["netns"], request["nice"])
+                                                request["netns"], request["nice"], script=request.get("script"))
                             workers[request["id"]], answer = worker, {"id": request["id"], "pid": worker.pid}
                         except RuntimeError as exc:
                             answer = {"id": request["id"], "error": str(exc)}
