@@ -1,7 +1,8 @@
 """The tests' worker zygote (harness/worker_zygote.py), shared with the scripts they run: a script
 forks its workers from it instead of importing SGLang in a zygote of its own, gets their exit codes
 through the socket, and what it leaves running when it ends is killed. A worker starts at its
-starter's CPU priority (the serial tests raise theirs: tests/conftest.py), as a child process would."""
+starter's CPU priority (the serial tests raise theirs: tests/conftest.py), as a child process would.
+A Python file runs forked from it as ``python <file> *argv`` would, with what the zygote imported."""
 
 from __future__ import annotations
 
@@ -59,3 +60,16 @@ def test_a_script_forks_from_the_shared_zygote_and_what_it_leaves_running_is_kil
         assert time.monotonic() < deadline, "the worker the script left running is still alive"
         time.sleep(0.1)
     assert zygote.is_running()  # the run's zygote serves on
+
+
+def test_a_script_runs_forked_from_the_zygote_with_its_arguments_and_exit_code(tmp_path) -> None:
+    script = tmp_path / "probe.py"
+    script.write_text("import json, sys\n"
+                      "print(json.dumps({'argv': sys.argv[1:], 'sglang': 'sglang.launch_server' in sys.modules,\n"
+                      "                  'folder': sys.path[0]}))\n"
+                      "sys.exit(int(sys.argv[1]))\n")
+    log = tmp_path / "probe.log"
+    proc = worker_zygote.run_script(str(script), ["3", "two words"], dict(os.environ), str(tmp_path), str(log))
+    assert proc.wait(timeout=60) == 3, log.read_text()
+    assert json.loads(log.read_text().strip().splitlines()[-1]) == {
+        "argv": ["3", "two words"], "sglang": True, "folder": str(tmp_path)}  # imported once, by the zygote
