@@ -49,6 +49,8 @@ DEFAULT_MAX_VIDEO_FRAMES = 36_000  # frames in a video's container: 20 minutes a
 DEFAULT_MAX_VIDEO_PIXELS = 1 << 33
 DEFAULT_MAX_AUDIO_SECONDS = 30.0  # Qwen2-Audio's window (its encoder takes 3,000 mel frames)
 MAX_REDIRECTS = 5
+MAX_REFERENCE_CHARS = 8192  # a path or URL (a data: URI is bounded by its bytes)
+MAX_SCHEME_CHARS = 32
 # Pillow's own bomb guard stays as a second line behind ``max_pixels``.
 Image.MAX_IMAGE_PIXELS = 20_000 * 20_000
 
@@ -135,7 +137,14 @@ def _undecodable(ref: str, exc: BaseException) -> ImageInputError:
 
 
 def _scheme(ref: str) -> str:
-    return urllib.parse.urlsplit(ref).scheme.lower() if "://" in ref or ref.startswith("data:") else ""
+    """``ref``'s URL scheme, lower case ("" for a path), read as ``urlsplit`` reads it but without
+    it: ``urlsplit`` keeps its last 128 arguments and results, which for ``data:`` URIs of images
+    kept up to 128 decoded-size copies of what clients sent."""
+    if "://" not in ref and not ref.startswith("data:"):
+        return ""
+    head, colon, _ = ref[:MAX_SCHEME_CHARS + 1].partition(":")
+    return head.lower() if colon and head[:1].isascii() and head[:1].isalpha() and \
+        all(c.isascii() and (c.isalnum() or c in "+-.") for c in head) else ""
 
 
 def is_remote(ref: object) -> bool:
@@ -148,6 +157,8 @@ def fetch_media(ref: str, policy: MediaPolicy, kind: str = "image") -> bytes:
     scheme = _scheme(ref)
     if scheme == "data":
         return _data_uri(ref, policy.max_bytes, kind)
+    if len(ref) > MAX_REFERENCE_CHARS:  # a path or URL: parsed (and cached by urllib) only when short
+        raise ImageInputError(f"{describe(ref)}: a path or URL longer than {MAX_REFERENCE_CHARS} characters")
     if scheme in ("http", "https"):
         return _http(ref, policy)
     if scheme == "file":

@@ -24,11 +24,14 @@ connector, read from the store, written to it), and R: per image with repeats of
 median TTFT of its repeats on the other server over that of its repeats on the same one, the
 median over those images (an image's size sets its prefill, so only one image's repeats are
 compared; the popular images, small in this trace, are most of the repeats on the same server).
-With the cluster's cache, a probe follows the trace: for a few images that landed on one server
-only, one request there and one on the other server, one at a time and straight to each (the
-embedding path without the trace's queues: its own cache against the store).
+In the trace, R also measures the queues each repeat met (the configuration without any cache
+shows a ratio far from 1 too), so with the cluster's cache a probe follows the trace: images no
+request has sent (1280x720 to 2560x1440), each sent to one server, then, once its entry is in the
+store, again to that server (its own cache) and to the other (the store), one at a time and
+straight to each, alternating the order; its R is the median of other/same over those images.
 The last line is ``global_cache encoder_passes=N distinct_media=M repeat_other_over_same=R`` for
-the cluster's cache. Needs root, iproute2, iptables.
+the cluster's cache, R the probe's (the trace's where no probe ran); the trace's R is in the table
+line above it. Needs root, iproute2, iptables.
 
 Upstream SGLang's EPD encoder has a global cache too (``--enable-mm-global-cache``); it is not run
 here: its controller moves embeddings through a pinned host pool from CUDA tensors
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import io
 import json
 import random
 import re
@@ -80,7 +84,9 @@ SECRET = "the-benchmark-clusters-control-secret"
 CONFIGS = ("none", "local", "global")  # no embedding cache, each server's own, the cluster's
 ZIPF_S = 1.1
 MULTI_TURN_SHARE = 0.3
-PROBES = 6  # images measured one at a time after the trace (see probe)
+PROBES = 8  # images no request has sent, measured one at a time after the trace (see probe)
+PROBE_SIZES = [(1920, 1080), (1280, 720), (2560, 1440), (896, 896)]
+PUT_OK = 'epd_global_cache_puts_total{outcome="ok"}'
 
 
 @dataclass
@@ -159,25 +165,33 @@ def run_trace(gateway: str, trace: list[list[tuple[int, int]]], uris: list[str],
     return [request for turns in chats for request in turns]
 
 
-def probe(languages: list[WorkerProcess], requests_: list[Request], uris: list[str], count: int) -> list[dict]:
-    """The embedding path alone, after the trace: for up to ``count`` images that landed on one
-    language server only, one request on that server (its own cache) and one on the other (the
-    cluster's cache, the first time there), straight to each server, one at a time, alternating
-    which goes first; their TTFTs."""
-    seen: dict[int, set[str]] = {}
-    for request in requests_:
-        if request.status == 200 and request.server:
-            seen.setdefault(request.image, set()).add(request.server)
+def probe(languages: list[WorkerProcess], encoders: list[WorkerProcess], count: int) -> list[dict]:
+    """The embedding path alone, after the trace: ``count`` images no request has sent, each sent
+    first to one language server (encoded, written to the store), then, once its write has landed,
+    again to that server (its own cache) and to the other (the cluster's cache), one at a time and
+    straight to each, alternating which server saw it first and which repeat goes first; the
+    repeats' TTFTs."""
     rows = []
-    for k, image in enumerate([image for image, servers in sorted(seen.items()) if len(servers) == 1][:count]):
-        own = next(iter(seen[image]))
-        other = next(w.url for w in languages if w.url != own)
+    for k in range(count):
+        width, height = PROBE_SIZES[k % len(PROBE_SIZES)]
+        picture = io.BytesIO()
+        make_image(width, height, seed=50_000 + k).save(picture, format="PNG")
+        uri = "data:image/png;base64," + base64.b64encode(picture.getvalue()).decode()
+        first, other = languages[k % 2].url, languages[1 - k % 2].url
+        written = sum(metric(e.url, PUT_OK) for e in encoders)
+        sighting = Request(-1, 0, -1, f"probe-{k}-first")
+        stream_ttft(first, sighting, uri)
+        deadline = time.monotonic() + 30
+        while sum(metric(e.url, PUT_OK) for e in encoders) <= written and time.monotonic() < deadline:
+            time.sleep(0.1)
         ttft = {}
-        for label, url in (("same", own), ("other", other))[:: 1 if k % 2 == 0 else -1]:
-            request = Request(-1, k, image, f"probe-{k}-{label}")
-            stream_ttft(url, request, uris[image])
+        for label, url in (("same", first), ("other", other))[:: 1 if k % 4 < 2 else -1]:
+            request = Request(-1, 1, -1, f"probe-{k}-{label}")
+            stream_ttft(url, request, uri)
+            if request.status != 200 or sighting.status != 200:
+                raise RuntimeError(f"probe {k}: {sighting.status} then {request.status} ({label})")
             ttft[label] = request.ttft_s
-        rows.append({"image": image, **ttft})
+        rows.append({"size": f"{width}x{height}", "first": sighting.ttft_s, **ttft})
     return rows
 
 
@@ -198,7 +212,7 @@ def classify(requests_: list[Request]) -> None:
 
 
 def run_config(config: str, net: Network, folder: str, trace: list, uris: list[str], concurrency: int,
-               logs: Path) -> Outcome:
+               logs: Path, probes_wanted: int) -> Outcome:
     encoder_hosts, language_hosts = [net["encoder"], net["encoder2"]], [net["language"], net["language2"]]
     master = None
     cache_flags: tuple[str, ...] = ()
@@ -234,12 +248,12 @@ def run_config(config: str, net: Network, folder: str, trace: list, uris: list[s
         for request in outcome.requests:
             pattern = re.compile(rf"rid={re.escape(request.rid)}:")
             request.server = next((w.url for w in languages if any(pattern.search(line) for line in w.log)), "")
-        if config == "global":
-            probes = probe(languages, outcome.requests, uris, PROBES)
         outcome.encoder_passes = sum(metric(e.url, 'epd_encoder_items_total{source="encoded"}') for e in encoders)
         outcome.connector_bytes = sum(metric(e.url, 'epd_bytes_total{role="encode"}') for e in encoders)
         outcome.store_bytes = sum(metric(w.url, "epd_global_cache_read_bytes_total") for w in (*encoders, *languages)) \
             + sum(metric(e.url, "epd_global_cache_written_bytes_total") for e in encoders)
+        if config == "global" and probes_wanted:  # after the trace's counts: its images are not the trace's
+            probes = probe(languages, encoders, probes_wanted)
     finally:
         for worker in reversed(started):
             worker.stop()
@@ -295,6 +309,8 @@ def main() -> int:
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--model-path", default=None, help="checkpoint (default: the seeded Qwen2.5-VL, width 3584)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--probes", type=int, default=PROBES, help="images of the probe after the trace (default "
+                                                                    "%(default)s; 0: none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     chats, count, sizes = (24, 8, QUICK_SIZES) if args.quick else (200, 50, SIZES)
@@ -320,7 +336,7 @@ def main() -> int:
     rows = []
     with Network(["encoder", "encoder2", "language", "language2", "gateway", "store"], rto_max_ms=1000) as net:
         for config in args.configs:
-            outcome = run_config(config, net, folder, trace, uris, args.concurrency, root)
+            outcome = run_config(config, net, folder, trace, uris, args.concurrency, root, args.probes)
             rows.append(summary(outcome))
             row = rows[-1]
             print(f"{config:>6}: {row['requests']} requests ({row['failed']} failed), encoder passes "
@@ -334,8 +350,9 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"trace": trace, "rows": rows}, indent=1))
     last = next(row for row in reversed(rows) if row["config"] == "global") if "global" in args.configs else rows[-1]
+    ratio = last.get("probe_other_over_same", last["repeat_other_over_same"])  # the probe's, where it ran
     print(f"global_cache encoder_passes={last['encoder_passes']:.0f} distinct_media={distinct} "
-          f"repeat_other_over_same={last['repeat_other_over_same']:.2f}")
+          f"repeat_other_over_same={ratio:.2f}")
     return 0 if all(row["failed"] == 0 for row in rows) else 1
 
 

@@ -10,6 +10,7 @@ last line compares the growth after the first ``--settle`` requests with the tar
 
     .venv/bin/python scripts/bench_memory.py                 # 1000 requests, about 15 minutes on 2 cores
     .venv/bin/python scripts/bench_memory.py --quick         # 160 requests
+    .venv/bin/python scripts/bench_memory.py --quick --malloc-mmap-threshold 0   # glibc's own threshold
 """
 
 from __future__ import annotations
@@ -59,15 +60,18 @@ def main() -> None:
     ap.add_argument("--settle", type=int, default=100, help="requests before growth is counted")
     ap.add_argument("--every", type=int, default=50, help="requests between readings")
     ap.add_argument("--quick", action="store_true", help="160 requests, growth counted after 40")
+    ap.add_argument("--malloc-mmap-threshold", default=None, metavar="BYTES",
+                    help="both workers' flag (default theirs, 1 MiB; 0: glibc's moving threshold)")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.settle, args.every = 160, 40, 20
+    heap = () if args.malloc_mmap_threshold is None else ("--malloc-mmap-threshold", args.malloc_mmap_threshold)
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.model_path or str(write_checkpoint(Path(tmp) / "seeded", 3584))
-        encode = WorkerProcess("encode", "--model-path", folder, command=SGLANG_LAUNCH, timeout=300)
+        encode = WorkerProcess("encode", "--model-path", folder, *heap, command=SGLANG_LAUNCH, timeout=300)
         try:
             language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url,
-                                     "--image-embedding-cache-bytes", "0", command=SGLANG_LAUNCH,
+                                     "--image-embedding-cache-bytes", "0", *heap, command=SGLANG_LAUNCH,
                                      ready=SGLANG_READY, timeout=300)
         except BaseException:
             encode.stop()

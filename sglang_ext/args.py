@@ -24,6 +24,7 @@ from embedding_side.images import (
     DEFAULT_MAX_VIDEO_PIXELS,
     DEFAULT_TIMEOUT_S,
 )
+from worker_infra.heap import MAX_THRESHOLD
 
 if TYPE_CHECKING:
     from worker_infra.embedding_store import EmbeddingStore
@@ -34,6 +35,7 @@ DEFAULT_STORE_TIMEOUT_S = 2.0
 MAX_STORE_HEADER_BYTES = 1 << 20
 DEFAULT_MAX_IMAGES = 16  # per request, as an encoder takes per /encode
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+DEFAULT_MMAP_THRESHOLD = 1 << 20  # see worker_infra.heap
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,14 @@ def shared_flags(d: ConnectorConfig | None = None) -> tuple[SharedFlag, ...]:
     )
 
 
+def threshold_bytes(text: str) -> int:
+    """A ``--malloc-mmap-threshold`` value: 0 (glibc's moving threshold) up to glibc's bound."""
+    nbytes = int(text)
+    if not 0 <= nbytes <= MAX_THRESHOLD:
+        raise argparse.ArgumentTypeError(f"must be 0 to {MAX_THRESHOLD} bytes (glibc's bound), got {nbytes}")
+    return nbytes
+
+
 def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -> None:
     """Add our flags; ``with_shared=False`` leaves out the ones SGLang already defines. A setting
     the environment gives wrong (a short ``SGLANG_EMBEDDING_CONTROL_SECRET``, a number that is not
@@ -170,6 +180,12 @@ def add_worker_args(parser: argparse.ArgumentParser, with_shared: bool = True) -
                         "as unavailable for a few seconds and media are encoded without it (default %(default)s)")
     env_only = [f"{s.env}: {s.help} (default {getattr(d, s.name)})" for s in SETTINGS if s.env and not s.flag]
     parser.add_argument_group("connector settings given by environment variable only", "; ".join(env_only))
+    h = parser.add_argument_group("memory")
+    h.add_argument("--malloc-mmap-threshold", type=threshold_bytes, default=DEFAULT_MMAP_THRESHOLD, metavar="BYTES",
+                   help="glibc's heap: allocations above this get mappings of their own, given back to the system "
+                        "when freed, so images and embeddings of varied sizes do not leave the heap fragmented and "
+                        "resident memory rising request after request; 0 keeps glibc's moving threshold; "
+                        "MALLOC_MMAP_THRESHOLD_ in the environment wins (default %(default)s = 1 MiB)")
     m = parser.add_argument_group("media access (encode side; what a request may name)")
     m.add_argument("--allowed-local-media-path", action="append", metavar="DIR",
                    help="local paths and file:// URIs are read only inside this directory (symlinks followed; "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sglang_ext.args import add_worker_args, connector_config, global_cache, resolve_mode
+from worker_infra.heap import fix_mmap_threshold
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> None:
                         force=True)
     # `kill -USR1 <pid>` writes every thread's stack to the log: where a stuck worker stands.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    fix_mmap_threshold(args.malloc_mmap_threshold)
     from worker_infra.http import serve
 
     built = build(args)

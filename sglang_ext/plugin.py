@@ -140,6 +140,9 @@ def _around_prepare_server_args(original, argv, *args, **kwargs):
         return server_args
     ours = worker_args(server_args, argv)
     if ours.disaggregation_mode == "language" and not ours.transfer_only:  # SGLang's own server, fed by our connector
+        from worker_infra.heap import fix_mmap_threshold
+
+        fix_mmap_threshold(ours.malloc_mmap_threshold)
         from sglang_ext import seeds
         from sglang_ext.language_flags import distributed_init_method, kv_default, sglang_argv
         from sglang_ext.language_server import arm

@@ -157,7 +157,8 @@ def test_bench_links_prints_each_links_share_of_its_line_rate(tmp_path: Path) ->
 @pytest.mark.sglang
 def test_bench_global_cache_encodes_each_image_once_across_hosts(tmp_path: Path, small_model: list[str]) -> None:
     out = subprocess.run([sys.executable, str(SCRIPTS / "bench_global_cache.py"), *small_model, "--configs", "global",
-                          "--chats", "4", "--images", "2", "--concurrency", "2", "--json", str(tmp_path / "g.json")],
+                          "--chats", "4", "--images", "2", "--concurrency", "2", "--probes", "1",
+                          "--json", str(tmp_path / "g.json")],
                          capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     last = re.fullmatch(r"global_cache encoder_passes=(\d+) distinct_media=(\d+) repeat_other_over_same=(\S+)",
@@ -166,3 +167,6 @@ def test_bench_global_cache_encodes_each_image_once_across_hosts(tmp_path: Path,
     (row,) = json.loads((tmp_path / "g.json").read_text())["rows"]
     assert row["config"] == "global" and row["failed"] == 0 and row["store_mb"] > 0
     assert row["first"]["n"] == int(last[2]) == 2 and row["requests"] == 6
+    (probed,) = row["probes"]  # a new image, then its repeats on both servers
+    assert probed["same"] > 0 and probed["other"] > 0 and float(last[3]) == pytest.approx(
+        probed["other"] / probed["same"], abs=0.006)

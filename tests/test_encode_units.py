@@ -9,6 +9,7 @@ import os
 import socket
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 from PIL import Image
 from transfer_large_image import make_image
 
-from embedding_side.images import ImageInputError, MediaPolicy, load_image
+from embedding_side.images import ImageInputError, MediaPolicy, _scheme, is_remote, load_image
 from embedding_side.positions import IMAGE_PAD_ID, image_positions
 
 pytestmark = pytest.mark.fast
@@ -82,11 +83,25 @@ def test_every_supported_source_and_format_loads(tmp_path: Path, image_server: s
     ("/nonexistent/picture.png", "cannot read file"),
     ("http://127.0.0.1:1/a.png", "unreachable"),
     ("", "non-empty string"),
+    ("/tmp/" + "a" * 9000 + ".png", "a path or URL longer than 8192 characters"),
 ])
 def test_bad_inputs_say_what_is_wrong(ref: str, words: str) -> None:
     with pytest.raises(ImageInputError, match=words) as info:
         load_image(ref, MediaPolicy.create(["/"], allow_private=True))
     assert len(str(info.value)) < 300  # never echoes a whole payload
+
+
+def test_no_data_uri_is_kept_once_its_request_is_done() -> None:
+    """urllib's ``urlsplit`` keeps its last 128 arguments and results: an image sent as a data: URI
+    must not go through it (128 of them were kept, twice each, in the encode worker)."""
+    uri = "data:image/png;base64," + base64.b64encode(png_bytes(make_image(64, 48, 2))).decode()
+    urllib.parse.urlsplit.cache_clear()
+    assert load_image(uri, MediaPolicy()).size == (64, 48)
+    assert is_remote(uri) is False and urllib.parse.urlsplit.cache_info().currsize == 0
+    for ref in ("HTTPS://example.org/a.png", "file:///tmp/a.png", "data:image/png;base64,AAAA", "ftp://x/y",
+                "1http://x/y", "ht tp://x/y", "/tmp/a.png", "relative/a.png", "c:/x", "héllo://x/y"):
+        assert _scheme(ref) == (urllib.parse.urlsplit(ref).scheme.lower() if "://" in ref or ref.startswith(
+            "data:") else ""), ref
 
 
 def test_limits_on_size_and_format(tmp_path: Path, image_server: str) -> None:
