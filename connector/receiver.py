@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
+from connector import receiver_rooms as ev
 from connector.allocator import BlockAllocator
 from connector.bootstrap import RankRoute
 from connector.buffers import BufferPool, Embedding
@@ -56,45 +57,7 @@ from connector.messages import (
 )
 from connector.peer_health import FailingPeers
 from connector.poll import KVPoll, RoomState
-from connector.receiver_rooms import (
-    FORK_OWES_A_ROUND,
-    TRANSITIONS,
-    Abort,
-    AbortAck,
-    Assemble,
-    Checkpoint,
-    Clone,
-    CopyOut,
-    Count,
-    Effect,
-    Event,
-    Forget,
-    FreeBlocks,
-    Init,
-    NoteFailure,
-    NoteSuccess,
-    Notify,
-    PeerDead,
-    PeerGone,
-    PeerWoke,
-    PoolReleased,
-    Rebound,
-    ReceiverPhase,
-    ReceiverRoom,
-    Restore,
-    Resumed,
-    Round,
-    SendAbort,
-    SendFailed,
-    SendRound,
-    SendSuspend,
-    Spill,
-    StatusIn,
-    Suspend,
-    SuspendAck,
-    Tick,
-    Warn,
-)
+from connector.receiver_rooms import FORK_OWES_A_ROUND, TRANSITIONS, ReceiverPhase, ReceiverRoom, Round
 from connector.rejections import Rejections
 from connector.transport import Transport
 from connector.zmq_link import PullLoop, PushSockets
@@ -200,7 +163,7 @@ class EmbeddingReceiver:
 
     def init(self, block_ids: list[int]) -> None:
         """Send the 7-frame init with the first allocation (``allocated = len * block_size``)."""
-        self.handle(Init(tuple(block_ids)))
+        self.handle(ev.Init(tuple(block_ids)))
 
     def poll(self) -> KVPoll:
         return self.machine.state.status
@@ -222,14 +185,14 @@ class EmbeddingReceiver:
         retried later (nothing could be allocated).
         """
         m, room = self._m, self.machine
-        spilled: list[CopyOut] = []
+        spilled: list[ev.CopyOut] = []
         with m._lock:
             if not room.resumable:
                 return False
             if room.clone_concat:  # the reference strategy, measured as the fork runs it
-                self._copy_out(self._apply(room.on(Clone()))[1])
+                self._copy_out(self._apply(room.on(ev.Clone()))[1])
             if m.allocator.free_blocks == 0:  # the room spills only rounds nothing is written into
-                spilled = self._apply(room.on(Spill()))[1]
+                spilled = self._apply(room.on(ev.Spill()))[1]
                 self._spilling = bool(spilled)
         if spilled:  # these rounds left the room: copied outside the lock (a 4K image is 75 MB)
             try:
@@ -245,7 +208,7 @@ class EmbeddingReceiver:
             blocks = m.allocator.allocate(min(need, free)) if free else None
             if blocks is None:
                 return False
-            sends, _ = self._apply(room.on(Resumed(tuple(blocks), m.clock())))
+            sends, _ = self._apply(room.on(ev.Resumed(tuple(blocks), m.clock())))
         self._send(sends)
         return True
 
@@ -262,7 +225,7 @@ class EmbeddingReceiver:
         m, room, bs = self._m, self.machine, self._m.config.block_size
         rounds: tuple[Round, ...] = ()  # to copy once the lock is released
         with m._lock:
-            _, copies = self._apply(room.on(Assemble()))  # raises when it cannot
+            _, copies = self._apply(room.on(ev.Assemble()))  # raises when it cannot
             (given,) = copies
             total, pool = room.total_tokens, m.pool
             assert total is not None and room.aux is not None
@@ -293,19 +256,19 @@ class EmbeddingReceiver:
         others at once.
         Returns whether the whole embedding had arrived when the abort took effect (the encoder
         was told it landed): decided under the lock that orders it with the last round's status."""
-        return self.handle(Abort(kind, reason, self._m.clock())) == KVPoll.Success
+        return self.handle(ev.Abort(kind, reason, self._m.clock())) == KVPoll.Success
 
     def suspend(self) -> None:
         """Ask the encoder to write nothing more for this room (sleep); its ack ends SUSPENDING.
         A fork encoder is not asked: the status of the round it owes ends SUSPENDING."""
-        self.handle(Suspend())
+        self.handle(ev.Suspend())
 
     def checkpoint(self) -> ReceiverCheckpoint:
         """After the suspend ack: keep what landed in host memory and give every block back."""
         room = self.machine
         with self._m._lock:
             self._changed.wait_for(lambda: not self._spilling)  # its rows go to the same host memory
-            _, copies = self._apply(room.on(Checkpoint()))  # closed: nothing else touches it now
+            _, copies = self._apply(room.on(ev.Checkpoint()))  # closed: nothing else touches it now
         self._copy_out(copies)  # outside the lock
         landed = copies[0].upto
         return ReceiverCheckpoint(self.room, self.bootstrap_addr, self.route, landed, room.total_tokens,
@@ -322,7 +285,7 @@ class EmbeddingReceiver:
 
     # ---- events from the manager ------------------------------------------------------------
 
-    def handle(self, event: Event) -> KVPoll:
+    def handle(self, event: ev.Event) -> KVPoll:
         """Hand the room ``event`` and apply what it says (frames once the lock is released);
         returns the room's status just before the event took effect."""
         with self._m._lock:
@@ -338,68 +301,68 @@ class EmbeddingReceiver:
         room, aux = self.machine, None
         if room.aux is None and room.rounds and msg.status in (KVPoll.Transferring, KVPoll.Success):
             aux = self._m.pool.aux[room.rounds[0].block_ids[0]].copy()
-        self.handle(StatusIn(msg.status, msg.sent_tokens, msg.total_tokens, msg.reason, aux, self._m.clock(),
+        self.handle(ev.StatusIn(msg.status, msg.sent_tokens, msg.total_tokens, msg.reason, aux, self._m.clock(),
                              time.monotonic()))
 
     def tick(self, now: float, asleep_since: float | None) -> None:
         """The manager's periodic check of the room's timeouts."""
         c = self._m.config
-        self.handle(Tick(now, asleep_since, c.abort_ack_timeout, sum(self._m.pool.item_lens) / c.min_link_rate,
+        self.handle(ev.Tick(now, asleep_since, c.abort_ack_timeout, sum(self._m.pool.item_lens) / c.min_link_rate,
                          c.unacked_block_hold, c.fork_abort_hold, c.max_sleep, c.waiting_timeout, c.join_timeout))
 
     def rebind(self, route: RankRoute) -> None:
         """The encoder restarted at ``route``: ask it again for the round it owes this room."""
         self.route = route
-        self.handle(Rebound(route.extended, _peer_name(self.bootstrap_addr, route), self._m.clock()))
+        self.handle(ev.Rebound(route.extended, _peer_name(self.bootstrap_addr, route), self._m.clock()))
 
     def restore(self, ckpt: ReceiverCheckpoint) -> None:
         """Continue the checkpointed room (a new receiver, manager lock held)."""
         self._out = ckpt.data
-        self.handle(Restore(ckpt.total_tokens, ckpt.aux, ckpt.resume_rounds, ckpt.landed))
+        self.handle(ev.Restore(ckpt.total_tokens, ckpt.aux, ckpt.resume_rounds, ckpt.landed))
 
     # ---- applying effects ---------------------------------------------------------------------
 
-    def _apply(self, effects: list[Effect]) -> tuple[list[Effect], list[CopyOut]]:
+    def _apply(self, effects: list[ev.Effect]) -> tuple[list[ev.Effect], list[ev.CopyOut]]:
         """Apply what needs the manager's lock (held); return the frames to send and the rounds
         given out (for the caller to copy and free)."""
         m = self._m
-        sends: list[Effect] = []
-        copies: list[CopyOut] = []
+        sends: list[ev.Effect] = []
+        copies: list[ev.CopyOut] = []
         for eff in effects:
-            if isinstance(eff, (SendRound, SendAbort, SendSuspend)):
+            if isinstance(eff, (ev.SendRound, ev.SendAbort, ev.SendSuspend)):
                 sends.append(eff)
-            elif isinstance(eff, CopyOut):
+            elif isinstance(eff, ev.CopyOut):
                 copies.append(eff)
-            elif isinstance(eff, FreeBlocks):
+            elif isinstance(eff, ev.FreeBlocks):
                 m.allocator.free(list(eff.block_ids))
-            elif isinstance(eff, Notify):
+            elif isinstance(eff, ev.Notify):
                 self._notify()
-            elif isinstance(eff, NoteFailure):
+            elif isinstance(eff, ev.NoteFailure):
                 m.failing.failed(self.bootstrap_addr, eff.kind, eff.reason, eff.joined)
-            elif isinstance(eff, NoteSuccess):
+            elif isinstance(eff, ev.NoteSuccess):
                 m.failing.succeeded(self.bootstrap_addr)
-            elif isinstance(eff, Count):
+            elif isinstance(eff, ev.Count):
                 m.stats[eff.stat] += eff.n
-            elif isinstance(eff, Forget):
+            elif isinstance(eff, ev.Forget):
                 m._forget(self)
-            elif isinstance(eff, Warn):
+            elif isinstance(eff, ev.Warn):
                 log.warning("%s", eff.text)
             else:
                 raise AssertionError(f"unknown effect {eff}")
         return sends, copies
 
-    def _send(self, sends: list[Effect]) -> None:
+    def _send(self, sends: list[ev.Effect]) -> None:
         """Send the room's frames; one that cannot go fails the room (``SendFailed``)."""
         m = self._m
         for eff in sends:
-            if isinstance(eff, SendRound):
+            if isinstance(eff, ev.SendRound):
                 frames, register = self._round_frames(eff.block_ids, eff.start), eff.register
-            elif isinstance(eff, SendAbort):
+            elif isinstance(eff, ev.SendAbort):
                 frames, register = AbortMsg(self.room, m.config.public_host, m.rank_port, m.generation).encode(), False
             else:
                 frames, register = SuspendMsg(self.room, m.config.public_host, m.rank_port, m.generation).encode(), False
             if not m._send_to(self.route, frames, register):
-                self.handle(SendFailed())
+                self.handle(ev.SendFailed())
 
     def _round_frames(self, block_ids: tuple[int, ...], resume_from: int | None) -> list[bytes]:
         """The 7-frame init (``resume_from`` None) or the 8-frame resume of one round."""
@@ -412,7 +375,7 @@ class EmbeddingReceiver:
                             resume_from, allocated)
         return msg.encode()
 
-    def _copy_out(self, copies: list[CopyOut]) -> None:
+    def _copy_out(self, copies: list[ev.CopyOut]) -> None:
         """Copy rounds a spill, clone or checkpoint gave out into host memory, then free their
         blocks. A spill's and a checkpoint's run outside the lock (the rounds left the room; a
         checkpoint waits for a spill of its room to end: both write ``_out``)."""
@@ -429,7 +392,7 @@ class EmbeddingReceiver:
             finally:
                 m.allocator.free(_blocks(given.rounds))
 
-    def _clone(self, given: CopyOut) -> Embedding:
+    def _clone(self, given: ev.CopyOut) -> Embedding:
         """A new embedding of just the tokens of ``given``'s rounds (below ``upto``)."""
         m, bs = self._m, self._m.config.block_size
         first = given.rounds[0].start
@@ -571,7 +534,7 @@ class EmbeddingReceiverManager:
             if unacked:
                 self._retired_pools.append((self.pool, self.clock() + self.config.unacked_block_hold))
             for receiver in unacked:
-                receiver.handle(PoolReleased())
+                receiver.handle(ev.PoolReleased())
 
     def attach_pool(self, pool: BufferPool, allocator: BlockAllocator) -> None:
         """Register a new pool (wake) under a new generation; encoders get a fresh register."""
@@ -663,9 +626,9 @@ class EmbeddingReceiverManager:
                 self.rejections.reject("unknown_room", f"message for room {msg.room}", logging.DEBUG)
                 return
             if isinstance(msg, SuspendAckMsg):  # an ack of another generation's SUSPEND is foreign
-                receiver.handle(SuspendAck(msg.generation == self.generation, self.clock()))
+                receiver.handle(ev.SuspendAck(msg.generation == self.generation, self.clock()))
             elif isinstance(msg, AbortAckMsg):
-                receiver.handle(AbortAck(msg.generation == self.generation))
+                receiver.handle(ev.AbortAck(msg.generation == self.generation))
             else:
                 receiver.on_status(msg)
 
@@ -701,7 +664,7 @@ class EmbeddingReceiverManager:
             peer = self.encoders.peer(addr)
             if probe.gone:  # no process: nothing can write into our blocks any more
                 for receiver in [r for r in self._rooms.values() if r.bootstrap_addr == addr]:
-                    receiver.handle(PeerGone())
+                    receiver.handle(ev.PeerGone())
             if peer.durable:  # restarting from its checkpoint: its rooms wait (up to max_sleep)
                 self.stats["durable_peer_unreachable"] += 1
                 return
@@ -724,7 +687,7 @@ class EmbeddingReceiverManager:
                 peer.asleep_since = None
                 for receiver in list(self._rooms.values()):
                     if receiver.bootstrap_addr == addr:
-                        receiver.handle(PeerWoke(self.clock()))
+                        receiver.handle(ev.PeerWoke(self.clock()))
             known = peer.incarnation = peer.incarnation or incarnation
         if incarnation and known != incarnation:
             self._rebind(addr, incarnation)
@@ -752,7 +715,7 @@ class EmbeddingReceiverManager:
             # The old process is gone (another holds its port): no write of it can land any more,
             # and the acks of the rooms aborted there will never come.
             for receiver in [r for r in self._rooms.values() if r.bootstrap_addr == addr and r.phase == R.ABORTING]:
-                receiver.handle(PeerGone())
+                receiver.handle(ev.PeerGone())
         self.stats["peer_restarted"] += 1
         log.warning("encode peer %s restarted (rank now %s:%d); %d rooms asked again",
                     addr, route.rank_ip, route.rank_port, len(rooms))
@@ -783,7 +746,7 @@ class EmbeddingReceiverManager:
         if gone:  # a restarted process has another rank: look it up again
             self._drop_rank(self.encoders.forget_route(addr))
         for receiver in failed:
-            receiver.handle(PeerDead(why, gone, self.clock()))
+            receiver.handle(ev.PeerDead(why, gone, self.clock()))
         self.stats["peer_dead"] += 1
         log.error("encode peer %s declared dead: %s%s", addr, why,
                   f" ({spared} room(s) created since the last probe was sent wait for the next)" if spared else "")

@@ -361,8 +361,8 @@ class EmbeddingSenderManager:
                 self._announce(d, StatusMsg(r.room, KVPoll.WaitingForInput, 0, "", r.total_tokens))
             case ev.StartWrite(write):
                 self._writers.submit((r, write))
-            case ev.FreeBlocks(blocks):
-                self.allocator.free(blocks)
+            case ev.FreeBlocks(block_ids):
+                self.allocator.free(block_ids)
             case ev.WantBlocks():
                 self._to_place.add(r)
             case ev.StagingSettle(nbytes):
@@ -389,8 +389,8 @@ class EmbeddingSenderManager:
             case ev.Confirm(peers):
                 for peer in peers:
                     self.peers.confirm(peer)
-            case ev.Count(stat):
-                self.stats[stat] += 1
+            case ev.Count(stat, n):
+                self.stats[stat] += n
             case ev.Ended():
                 self._ended[r.room] = self.clock()
                 self._ended.move_to_end(r.room)

@@ -253,7 +253,9 @@ class StartWrite:
 
 @dataclass(frozen=True)
 class FreeBlocks:
-    blocks: tuple[int, ...]
+    """Give these blocks back to the allocator now: no write reads from them any more."""
+
+    block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -315,6 +317,7 @@ class Confirm:
 @dataclass(frozen=True)
 class Count:
     stat: str
+    n: int = 1
 
 
 @dataclass(frozen=True)

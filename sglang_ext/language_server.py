@@ -59,6 +59,7 @@ from worker_infra.http import (
     error_body,
     error_reply,
     sleep_params,
+    wake_params,
 )
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class Connected:
     restore_on_wake: bool
     restored: Restored | None = None
     last_sleep: dict = dataclasses.field(default_factory=dict)  # the connector's report of its last sleep
+    discard_on_wake: bool = False  # the coming wake-up was asked to drop the disk checkpoints
 
     def geometry(self, manager) -> dict:
         """What a checkpoint of SGLang's generations must match to be loaded here."""
@@ -165,11 +167,11 @@ async def around_continue_generation(original, manager, obj, *args, **kwargs):
     from connector import checkpoint
     from sglang_ext import generations
 
-    folder = _here.ours.checkpoint_dir
+    folder, discard = _here.ours.checkpoint_dir, _here.discard_on_wake
     saved = None
-    if _here.restore_on_wake and checkpoint.exists(folder, generations.ROLE):
+    if _here.restore_on_wake and not discard and checkpoint.exists(folder, generations.ROLE):
         saved = await asyncio.to_thread(generations.load, folder, _here.geometry(manager))  # CheckpointError
-    await asyncio.to_thread(_here.worker.wake_up)
+    await asyncio.to_thread(_here.worker.wake_up, discard)
     result = await original(manager, obj, *args, **kwargs)
     if saved is not None:
         _here.restored = generations.Restored(manager, _here.receiver)
@@ -394,10 +396,13 @@ def _add_routes(manager, worker, dispatch) -> None:
         if released:
             await manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None)
             released = False
+        _here.discard_on_wake = wake_params(request.query_params)  # read by the continue_generation hook
         try:
             await manager.continue_generation(ContinueGenerationReqInput())
         except (HTTPError, TransferFailure, CheckpointError) as exc:
             return refused(exc)
+        finally:
+            _here.discard_on_wake = False
         if freeze_pending.is_set():  # asked for while asleep (a boot from disk): the scheduler answers now
             freeze_pending.clear()
             await manager.freeze_gc()

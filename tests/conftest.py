@@ -33,6 +33,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # the harness package; the sc
 # (harness/worker_zygote.py): 1-3 s a start instead of 13-15 s here. EPD_FORK_WORKERS=0 starts
 # each one fresh.
 os.environ.setdefault("EPD_FORK_WORKERS", "1")
+# The workers' default mmap threshold (1 MiB, --malloc-mmap-threshold: flat memory over many
+# requests, at the cost of page faults on every large buffer) is worth about a tenth of the
+# suite's CPU; the suite's workers live minutes, so they take glibc's largest fixed threshold
+# instead. tests/test_heap.py checks the default; scripts/bench_memory.py measures it.
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
 
 import zmq  # noqa: E402
 from hypothesis import settings  # noqa: E402

@@ -47,7 +47,7 @@ from transfer_large_image import make_image
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from harness.workers import SGLANG_READY, WorkerProcess, start_together
-from sglang_ext.language_flags import cpu_kv_tokens
+from sglang_ext.language_flags import GENERATIONS_ROLE, cpu_kv_tokens
 
 pytestmark = pytest.mark.sglang
 
@@ -825,6 +825,31 @@ def test_a_language_server_killed_asleep_restarts_from_disk_and_its_requests_go_
     assert all_free(requests.get(f"{restarted.url}/epd/health", timeout=10).json())
     folder = Path(SECOND_ARGS[SECOND_ARGS.index("--checkpoint-dir") + 1])
     assert not any(folder.iterdir())  # every checkpoint consumed
+
+
+def test_a_bad_checkpoint_on_disk_is_refused_and_dropped_when_the_wake_up_asks(workers, tmp_path) -> None:
+    """A server started on a folder whose checkpoint of SGLang's generations does not check (its
+    checksum) boots asleep; ``/wake_up`` refuses it whole (422, saying how to drop it) and leaves
+    it asleep; ``/wake_up?discard_checkpoint=true`` drops it and the server serves."""
+    folder = tmp_path / "bad-checkpoint"
+    folder.mkdir()
+    for suffix, data in ((".json", b'{"version": 1}'), (".safetensors", b"not a tensor file"), (".sha256", b"0" * 64)):
+        (folder / f"{GENERATIONS_ROLE}{suffix}").write_bytes(data)
+    server = WorkerProcess(*LANGUAGE_ARGS, "--checkpoint-dir", str(folder), command=SGLANG_LAUNCH, ready=SGLANG_READY,
+                           timeout=300)
+    try:
+        assert requests.get(f"{server.url}/is_sleeping", timeout=10).json() == {"is_sleeping": True}
+        refused = requests.post(f"{server.url}/wake_up", timeout=60)
+        assert refused.status_code == 422 and "discard_checkpoint=true" in refused.json()["error"], refused.text
+        assert requests.get(f"{server.url}/is_sleeping", timeout=10).json() == {"is_sleeping": True}
+        woke = requests.post(f"{server.url}/wake_up", params={"discard_checkpoint": "true"}, timeout=60)
+        assert woke.status_code == 200 and woke.json()["is_sleeping"] is False, woke.text
+        assert not any(folder.iterdir())
+        text = requests.post(f"{server.url}/generate", timeout=120, json={
+            "text": "Hello", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+        assert text.status_code == 200 and len(text.json()["output_ids"]) == 4, text.text
+    finally:
+        server.stop()
 
 
 def test_an_image_the_encoder_refuses_is_the_clients_error(workers, images) -> None:
