@@ -481,39 +481,44 @@ def rendezvous_weight(affinity: str, url: str) -> bytes:
     return hashlib.sha256(f"{affinity}|{url}".encode()).digest()
 
 
-def image_layout(encoded: dict, rows: int, images: int) -> tuple[list[tuple[int, int, int]], dict]:
-    """The images' ``(1, h, w)`` patch grids from the encoder's answer, checked against the rows
-    that came (2x2 merge): one grid per image."""
+def merged_grids(encoded: dict, kind: str, count: int, rows: int) -> list[tuple[int, int, int]]:
+    """The ``(t, h, w)`` grids of the encoder's answer for ``count`` images or videos (``kind``),
+    each of 2x2-merged patches, together exactly ``rows`` rows."""
     try:
         grids = [(int(t), int(h), int(w)) for t, h, w in encoded["grid_thw"]]
     except (KeyError, TypeError, ValueError) as exc:
-        raise LayoutError(f"the answer has no usable image grids ({type(exc).__name__})") from None
-    if any(t != 1 or min(h, w) <= 0 or h % MERGE or w % MERGE for t, h, w in grids):
-        raise LayoutError(f"image grids {grids} are not grids of {MERGE}x{MERGE} merged patches of one frame")
-    if len(grids) != images or sum(image_token_count(grid) for grid in grids) != rows:
-        raise LayoutError(f"image grids {grids} do not describe {rows} rows of {images} image(s)")
+        raise LayoutError(f"the answer has no usable {kind} grids ({type(exc).__name__})") from None
+    if any(min(grid) <= 0 or grid[1] % MERGE or grid[2] % MERGE for grid in grids):
+        raise LayoutError(f"{kind} grids {grids} are not grids of {MERGE}x{MERGE} merged patches")
+    if len(grids) != count or sum(t * h * w for t, h, w in grids) != rows * MERGE * MERGE:
+        raise LayoutError(f"{kind} grids {grids} do not describe {rows} rows of {count} {kind}(s)")
+    return grids
+
+
+def image_layout(encoded: dict, rows: int, images: int) -> tuple[list[tuple[int, int, int]], dict]:
+    """The images' ``(1, h, w)`` patch grids from the encoder's answer, checked against the rows
+    that came: one grid of one frame per image."""
+    grids = merged_grids(encoded, "image", images, rows)
+    if any(t != 1 for t, _, _ in grids):
+        raise LayoutError(f"image grids {grids} are not grids of one frame")
     return grids, {}
 
 
 def video_layout(encoded: dict, rows: int, videos: int) -> tuple[list[tuple[int, int, int]], dict]:
     """The videos' ``(t, h, w)`` grids and position metadata from the encoder's answer, checked
-    against the rows that came (2x2 merge): one grid and one metadata entry per video, one
-    timestamp per temporal patch."""
+    against the rows that came: one grid and one metadata entry per video, one timestamp per
+    temporal patch."""
+    grids = merged_grids(encoded, "video", videos, rows)
     try:
-        grids = [(int(t), int(h), int(w)) for t, h, w in encoded["grid_thw"]]
         extras = {}
         if "video_timestamps" in encoded:
             extras["video_timestamps"] = [[float(t) for t in video] for video in encoded["video_timestamps"]]
         if "second_per_grid_ts" in encoded:
             extras["second_per_grid_ts"] = [float(s) for s in encoded["second_per_grid_ts"]]
     except (KeyError, TypeError, ValueError) as exc:
-        raise LayoutError(f"the answer has no usable video grids or metadata ({type(exc).__name__})") from None
-    if any(min(grid) <= 0 or grid[1] % MERGE or grid[2] % MERGE for grid in grids):
-        raise LayoutError(f"video grids {grids} are not grids of {MERGE}x{MERGE} merged patches")
-    if len(grids) != videos or sum(t * h * w for t, h, w in grids) != rows * MERGE * MERGE or any(
-            len(values) != videos for values in extras.values()):
-        raise LayoutError(f"video grids {grids} and metadata {sorted(extras)} do not describe {rows} rows of "
-                          f"{videos} video(s)")
+        raise LayoutError(f"the answer has no usable video metadata ({type(exc).__name__})") from None
+    if any(len(values) != videos for values in extras.values()):
+        raise LayoutError(f"video metadata {sorted(extras)} does not describe {videos} video(s)")
     stamps = extras.get("video_timestamps")
     if stamps is not None and any(len(s) != t for s, (t, _, _) in zip(stamps, grids, strict=True)):
         raise LayoutError("a video's timestamps do not match its temporal patches")
