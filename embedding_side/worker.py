@@ -81,9 +81,13 @@ from embedding_side.shared_encodings import SharedEncodings, join_items, rows_of
 from embedding_side.videos import decode_bytes as video_decode_bytes
 from embedding_side.videos import open_video
 from worker_infra.embedding_store import EmbeddingStore, StoredMedia
+from worker_infra.heap import give_back_free_pages
 from worker_infra.http import wait_for_future
 from worker_infra.metrics import WorkerMetrics
 from worker_infra.sleep import SleepGate, WorkerState
+
+# Idle between requests: the heaps' free pages go back to the system, at most this often.
+TRIM_INTERVAL_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +142,7 @@ class EncodeWorker:
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # rids between arrival and answer
         self._computing = 0
+        self._trimmed_at = 0.0  # time.monotonic() of the last give_back_free_pages
         self.decoding = ByteBudget(self.media.decode_bytes)  # under _lock
         # Notified when an encode's forward pass ends. On the same lock as the check before one
         # starts, so a sleep cannot see none running while one is about to.
@@ -249,6 +254,11 @@ class EncodeWorker:
     def _leave(self, rid: str) -> None:
         with self._lock:
             self._pending.discard(rid)
+            idle = not self._pending
+        now = time.monotonic()
+        if idle and now - self._trimmed_at >= TRIM_INTERVAL_S:
+            self._trimmed_at = now
+            self._loaders.submit(give_back_free_pages)
 
     async def _encode(self, rid: str, sender: EmbeddingSender, modality: str, refs: list[str]) -> tuple[dict, float]:
         """Steps 2 to 5 of the module docstring; returns the reply body and when the embedding

@@ -286,6 +286,8 @@ def _run_worker(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        if dynamo := sys.modules.get("torch._dynamo.config"):  # read at its import, from the zygote's environment
+            dynamo.disable = os.environ.get("TORCH_COMPILE_DISABLE") == "1"
         random.seed()  # a fresh process seeds itself from the OS; a fork would share the zygote's state
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()

@@ -28,6 +28,7 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+COMPILE_OFF = "TORCH_COMPILE_DISABLE"  # what torch reads at its import
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # the harness package; the scripts the tests run too
 # Workers started by SGLang's launcher are forked from a process that imported it once
 # (harness/worker_zygote.py): 1-3 s a start instead of 13-15 s here. EPD_FORK_WORKERS=0 starts
@@ -38,6 +39,12 @@ os.environ.setdefault("EPD_FORK_WORKERS", "1")
 # suite's CPU; the suite's workers live minutes, so they take glibc's largest fixed threshold
 # instead. tests/test_heap.py checks the default; scripts/bench_memory.py measures it.
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+# SGLang's vision rotary is torch.compile'd: about 3 s of CPU at an encoder's first forward pass,
+# and more at each new shape. Its eager rows are the compiled ones, bit for bit
+# (tests/test_sglang_encoder_rows.py), so the suite's workers run it eagerly; the modules that
+# check the path users run (SGLang's encoder against transformers and upstream, the main job)
+# take the compiled one (the ``compiled_torch`` fixture).
+os.environ.setdefault(COMPILE_OFF, "1")
 
 import zmq  # noqa: E402
 from hypothesis import settings  # noqa: E402
@@ -292,6 +299,14 @@ def seeded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[...,
         return str(path)
 
     return folder
+
+
+@pytest.fixture(scope="module")
+def compiled_torch() -> Iterator[None]:
+    """torch.compile on, as users run it, in the workers and scripts a module starts."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(COMPILE_OFF, "0")
+        yield
 
 
 def make_transport(kind: str, host: str = "127.0.0.1") -> MooncakeTransport | MemoryTransport:

@@ -31,11 +31,13 @@ CLIPS = {"392x280x8": (392, 280, 8, 2), "448x252x120": (448, 252, 120, 30)}
 SIZES = {"448x448": (448, 448), "1920x1080": (1920, 1080), "3840x2160": (3840, 2160)}
 
 
-def encoded_rows(folder: str, paths: list[str], out: Path, plugins: bool = True) -> dict[str, torch.Tensor]:
+def encoded_rows(folder: str, paths: list[str], out: Path, plugins: bool = True,
+                 extra: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Each image's rows (bf16 bytes, uint8 ``[tokens, width * 2]``) through SGLang's encoder on
     ``folder``, one image per forward pass, in a process of its own (``encode_rows.py``): with our
     plugin (as the encode worker runs it; forked from the worker zygote when the tests use one) or
-    with none (as upstream SGLang runs it: a fresh interpreter, nothing of ours imported)."""
+    with none (as upstream SGLang runs it: a fresh interpreter, nothing of ours imported); ``extra``
+    is added to its environment."""
     import os
     import subprocess
     import sys
@@ -45,7 +47,7 @@ def encoded_rows(folder: str, paths: list[str], out: Path, plugins: bool = True)
     from harness import worker_zygote
 
     env = {key: value for key, value in os.environ.items() if key != "SGLANG_PLUGINS"}
-    env |= {"PYTHONPATH": str(ROOT)} | ({} if plugins else {"SGLANG_PLUGINS": "none"})
+    env |= {"PYTHONPATH": str(ROOT)} | ({} if plugins else {"SGLANG_PLUGINS": "none"}) | (extra or {})
     argv = [folder, str(out), *paths]
     if plugins and os.environ.get("EPD_FORK_WORKERS") == "1":
         log = out.with_suffix(".log")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -83,8 +84,10 @@ def test_bench_generate_quick_prints_the_ttft_split_and_the_ratio_against_sglang
 def test_the_main_job_generates_on_sglangs_server_across_hosts_and_matches_the_monolithic_model(
         tmp_path: Path, small_model: list[str]) -> None:
     # Across two simulated hosts (--hosts): the same job, each worker at its own address.
+    # with torch.compile on, as users run it
     out = subprocess.run([sys.executable, str(SCRIPTS / "generate_from_images.py"), *small_model, "--quick", "--hosts", "--json",
-                          str(tmp_path / "m.json")], capture_output=True, text=True, timeout=280)
+                          str(tmp_path / "m.json")], capture_output=True, text=True, timeout=280,
+                         env=os.environ | {"TORCH_COMPILE_DISABLE": "0"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert lines[-2] == "monolithic check (448x448): tokens equal (16 disaggregated, 16 monolithic)", lines[-2]

@@ -46,7 +46,7 @@ from connector.poll import KVPoll
 from connector.receiver import finish_receiving
 from harness.workers import WorkerProcess
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("compiled_torch")]  # as users run it
 
 FIRST_ALLOCATION = 2048  # tokens the language side allocates before it knows an image's size
 ENCODER_PEAK_BYTES = 3 << 30  # the encode worker's resident peak with the 4K image (the bound)

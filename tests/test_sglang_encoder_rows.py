@@ -4,7 +4,8 @@ encoder with no plugin of ours (``SGLANG_PLUGINS=none``, as upstream runs it), o
 Qwen2.5-VL checkpoint: the same rows in the same order, each element within one bf16 step of the
 largest value of its row. The hooks round differently (one accumulation order, one rounding of a
 product instead of two), so about a quarter of the elements differ, by that one step; nothing
-else does."""
+else does. And SGLang's vision rotary run eagerly (``TORCH_COMPILE_DISABLE=1``, as the rest of the
+suite runs it) gives the compiled rows users get, bit for bit."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from PIL import Image
 from sglang_stack import encoded_rows
 from transfer_large_image import make_image
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("compiled_torch")]
 
 
 def images(root: Path) -> list[str]:
@@ -36,12 +37,18 @@ def images(root: Path) -> list[str]:
     return paths
 
 
-def test_rows_are_upstreams_within_one_bf16_step(seeded_checkpoint, tmp_path) -> None:
+def test_rows_are_upstreams_within_one_bf16_step_and_eager_rows_the_compiled_ones(seeded_checkpoint, tmp_path) -> None:
     folder = seeded_checkpoint(3584)
     paths = images(tmp_path)
-    with ThreadPoolExecutor(2) as pool:  # two processes at once: each spends most of its time importing SGLang
-        ours, upstream = pool.map(lambda plugins: encoded_rows(folder, paths, tmp_path / f"{plugins}.safetensors",
-                                                               plugins=plugins), (True, False))
+    make_image(3840, 2160, seed=42).save(tmp_path / "3840x2160.png")  # upstream's masked attention: 7 GB at 4K
+    ours_paths = [*paths, str(tmp_path / "3840x2160.png")]
+    runs = {"ours": (ours_paths, {}), "upstream": (paths, {"plugins": False}),
+            "ours eager": (ours_paths, {"extra": {"TORCH_COMPILE_DISABLE": "1"}})}
+    with ThreadPoolExecutor(3) as pool:  # at once: the fresh interpreter spends most of its time importing SGLang
+        ours, upstream, eager = pool.map(lambda run: encoded_rows(folder, runs[run][0], tmp_path / f"{run}.safetensors",
+                                                                  **runs[run][1]), runs)
+    for path in ours_paths:
+        assert torch.equal(eager[path], ours[path]), path
     differing = []
     for path in paths:
         got, expected = ours[path].view(torch.bfloat16), upstream[path].view(torch.bfloat16)

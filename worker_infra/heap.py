@@ -34,3 +34,12 @@ def fix_mmap_threshold(nbytes: int) -> None:
             log.warning("mallopt(M_MMAP_THRESHOLD, %d) was refused: the heap keeps glibc's moving threshold", nbytes)
     except (OSError, AttributeError):  # not glibc: its allocator has its own rules
         pass
+
+
+def give_back_free_pages() -> None:
+    """Give the free pages inside every heap (each thread's arena included) back to the system:
+    below the mmap threshold, freed blocks between live ones stay resident otherwise."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
