@@ -354,7 +354,7 @@ def serve() -> None:
         if readable:
             chunk = os.read(sys.stdin.fileno(), 65536).decode()
             if not chunk:
-                return  # the parent is gone: its workers are its to stop
+                return _stop(workers)  # the parent is gone
             pending += chunk
             while "\n" in pending:
                 line, pending = pending.split("\n", 1)
@@ -379,7 +379,15 @@ def serve() -> None:
             if pid in workers:
                 print(json.dumps({"id": workers.pop(pid), "exit": os.waitstatus_to_exitcode(status)}), flush=True)
         if os.getppid() != parent:
-            return
+            return _stop(workers)
+
+
+def _stop(workers: dict[int, int]) -> None:
+    """SIGTERM to the workers still running: a parent that stopped them all (its tests' clean-up)
+    leaves none; one killed before it could would leave them serving with nobody to stop them."""
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
 
 
 _BASE_PATH = sys.path[1:]  # without this script's folder
