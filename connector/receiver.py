@@ -4,12 +4,13 @@ One :class:`EmbeddingReceiverManager` per language worker owns the destination p
 allocator, the transport, the PULL socket for statuses, acks and pings, and the watch over its
 encode peers (:mod:`connector.encoder_peers`). Each request gets an
 :class:`EmbeddingReceiver` (SGLang's ``BaseKVReceiver`` shape): the handle of one
-:class:`~connector.receiver_rooms.ReceiverRoom`, the pure state machine whose ``on(event)`` is
-the only place a room's phase changes (every allowed change is in
+:class:`~connector.receiver_rooms.ReceiverRoom`, the pure state machine whose
+``on(event, world)`` is the only place a room's phase changes (every allowed change is in
 ``connector.receiver_rooms.TRANSITIONS``). The handle and the manager turn what happens
-(a call, a message, a probe, a tick) into an event, hand it to the room, and apply the effects
-it returns: send a frame, free or copy blocks, count, wake waiters. Neither touches a room's
-fields otherwise; block ownership is described in :mod:`connector.receiver_rooms`.
+(a call, a message, a probe, a tick) into an event, hand it to the room with the world it
+decides by (``EmbeddingReceiver._world``: the clock, its encoder's sleep, the limits), and
+apply the effects it returns: send a frame, free or copy blocks, count, wake waiters. Neither
+touches a room's fields otherwise; block ownership is described in :mod:`connector.receiver_rooms`.
 
 Locks, in this order only: the manager's ``_lock`` (every room's phase and the rooms table),
 then the allocator's and a room state's own (leaves: they call nothing back). A room's frames
@@ -190,9 +191,9 @@ class EmbeddingReceiver:
             if not room.resumable:
                 return False
             if room.clone_concat:  # the reference strategy, measured as the fork runs it
-                self._copy_out(self._apply(room.on(ev.Clone()))[1])
+                self._copy_out(self._apply(room.on(ev.Clone(), self._world()))[1])
             if m.allocator.free_blocks == 0:  # the room spills only rounds nothing is written into
-                spilled = self._apply(room.on(ev.Spill()))[1]
+                spilled = self._apply(room.on(ev.Spill(), self._world()))[1]
                 self._spilling = bool(spilled)
         if spilled:  # these rounds left the room: copied outside the lock (a 4K image is 75 MB)
             try:
@@ -208,7 +209,7 @@ class EmbeddingReceiver:
             blocks = m.allocator.allocate(min(need, free)) if free else None
             if blocks is None:
                 return False
-            sends, _ = self._apply(room.on(ev.Resumed(tuple(blocks), m.clock())))
+            sends, _ = self._apply(room.on(ev.Resumed(tuple(blocks)), self._world()))
         self._send(sends)
         return True
 
@@ -225,7 +226,7 @@ class EmbeddingReceiver:
         m, room, bs = self._m, self.machine, self._m.config.block_size
         rounds: tuple[Round, ...] = ()  # to copy once the lock is released
         with m._lock:
-            _, copies = self._apply(room.on(ev.Assemble()))  # raises when it cannot
+            _, copies = self._apply(room.on(ev.Assemble(), self._world()))  # raises when it cannot
             (given,) = copies
             total, pool = room.total_tokens, m.pool
             assert total is not None and room.aux is not None
@@ -256,7 +257,7 @@ class EmbeddingReceiver:
         others at once.
         Returns whether the whole embedding had arrived when the abort took effect (the encoder
         was told it landed): decided under the lock that orders it with the last round's status."""
-        return self.handle(ev.Abort(kind, reason, self._m.clock())) == KVPoll.Success
+        return self.handle(ev.Abort(kind, reason)) == KVPoll.Success
 
     def suspend(self) -> None:
         """Ask the encoder to write nothing more for this room (sleep); its ack ends SUSPENDING.
@@ -268,7 +269,7 @@ class EmbeddingReceiver:
         room = self.machine
         with self._m._lock:
             self._changed.wait_for(lambda: not self._spilling)  # its rows go to the same host memory
-            _, copies = self._apply(room.on(ev.Checkpoint()))  # closed: nothing else touches it now
+            _, copies = self._apply(room.on(ev.Checkpoint(), self._world()))  # closed: nothing else touches it now
         self._copy_out(copies)  # outside the lock
         landed = copies[0].upto
         return ReceiverCheckpoint(self.room, self.bootstrap_addr, self.route, landed, room.total_tokens,
@@ -290,10 +291,19 @@ class EmbeddingReceiver:
         returns the room's status just before the event took effect."""
         with self._m._lock:
             before = self.machine.state.status
-            sends, copies = self._apply(self.machine.on(event))
+            sends, copies = self._apply(self.machine.on(event, self._world()))
         assert not copies, f"{event} gave rounds away"
         self._send(sends)
         return before
+
+    def _world(self) -> ev.World:
+        """What the room's decisions read outside it, now: the manager's clock, when its encoder was
+        seen asleep, the limits in force (manager lock held)."""
+        m, c = self._m, self._m.config
+        return ev.World(now=m.clock(), asleep_since=m.encoders.peer(self.bootstrap_addr).asleep_since,
+                        abort_ack_timeout=c.abort_ack_timeout, seconds_per_block=sum(m.pool.item_lens) / c.min_link_rate,
+                        unacked_block_hold=c.unacked_block_hold, fork_abort_hold=c.fork_abort_hold,
+                        max_sleep=c.max_sleep, waiting_timeout=c.waiting_timeout, join_timeout=c.join_timeout)
 
     def on_status(self, msg: StatusMsg) -> None:
         """A status from the encoder (manager lock held). Until the room has its aux row, the
@@ -301,19 +311,12 @@ class EmbeddingReceiver:
         room, aux = self.machine, None
         if room.aux is None and room.rounds and msg.status in (KVPoll.Transferring, KVPoll.Success):
             aux = self._m.pool.aux[room.rounds[0].block_ids[0]].copy()
-        self.handle(ev.StatusIn(msg.status, msg.sent_tokens, msg.total_tokens, msg.reason, aux, self._m.clock(),
-                             time.monotonic()))
-
-    def tick(self, now: float, asleep_since: float | None) -> None:
-        """The manager's periodic check of the room's timeouts."""
-        c = self._m.config
-        self.handle(ev.Tick(now, asleep_since, c.abort_ack_timeout, sum(self._m.pool.item_lens) / c.min_link_rate,
-                         c.unacked_block_hold, c.fork_abort_hold, c.max_sleep, c.waiting_timeout, c.join_timeout))
+        self.handle(ev.StatusIn(msg.status, msg.sent_tokens, msg.total_tokens, msg.reason, aux, time.monotonic()))
 
     def rebind(self, route: RankRoute) -> None:
         """The encoder restarted at ``route``: ask it again for the round it owes this room."""
         self.route = route
-        self.handle(ev.Rebound(route.extended, _peer_name(self.bootstrap_addr, route), self._m.clock()))
+        self.handle(ev.Rebound(route.extended, _peer_name(self.bootstrap_addr, route)))
 
     def restore(self, ckpt: ReceiverCheckpoint) -> None:
         """Continue the checkpointed room (a new receiver, manager lock held)."""
@@ -626,7 +629,7 @@ class EmbeddingReceiverManager:
                 self.rejections.reject("unknown_room", f"message for room {msg.room}", logging.DEBUG)
                 return
             if isinstance(msg, SuspendAckMsg):  # an ack of another generation's SUSPEND is foreign
-                receiver.handle(ev.SuspendAck(msg.generation == self.generation, self.clock()))
+                receiver.handle(ev.SuspendAck(msg.generation == self.generation))
             elif isinstance(msg, AbortAckMsg):
                 receiver.handle(ev.AbortAck(msg.generation == self.generation))
             else:
@@ -650,7 +653,7 @@ class EmbeddingReceiverManager:
         with self._lock:
             self._retired_pools = [(pool, until) for pool, until in self._retired_pools if until > now]
             for receiver in list(self._rooms.values()):
-                receiver.tick(now, self.encoders.peer(receiver.bootstrap_addr).asleep_since)
+                receiver.handle(ev.Tick())
 
     def _on_probe(self, addr: str, probe: Probe, started: float) -> None:
         """One health probe's answer: a sleeping peer is alive (its rooms wait up to ``max_sleep``);
@@ -687,7 +690,7 @@ class EmbeddingReceiverManager:
                 peer.asleep_since = None
                 for receiver in list(self._rooms.values()):
                     if receiver.bootstrap_addr == addr:
-                        receiver.handle(ev.PeerWoke(self.clock()))
+                        receiver.handle(ev.PeerWoke())
             known = peer.incarnation = peer.incarnation or incarnation
         if incarnation and known != incarnation:
             self._rebind(addr, incarnation)
@@ -746,7 +749,7 @@ class EmbeddingReceiverManager:
         if gone:  # a restarted process has another rank: look it up again
             self._drop_rank(self.encoders.forget_route(addr))
         for receiver in failed:
-            receiver.handle(ev.PeerDead(why, gone, self.clock()))
+            receiver.handle(ev.PeerDead(why, gone))
         self.stats["peer_dead"] += 1
         log.error("encode peer %s declared dead: %s%s", addr, why,
                   f" ({spared} room(s) created since the last probe was sent wait for the next)" if spared else "")

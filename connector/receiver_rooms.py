@@ -9,9 +9,11 @@ allocator at once, and ``CopyOut`` once their rows are copied (or, for a zero-co
 the embedding is released).
 
 A :class:`ReceiverRoom` holds the phase, the progress the wire sees (``RoomState``), the rounds'
-block ids and the numbers the protocol needs, and nothing else: no manager, lock, pool, allocator
-or socket, and no clock (every time comes in with an event). Its ``on(event) -> effects`` decides;
-the handle applies the effects (sends frames, frees and copies blocks, counts, wakes waiters).
+block ids and the numbers the protocol needs, and nothing else: no manager, lock, pool, allocator,
+socket or clock. What it needs to know of the world comes in a :class:`World` (the manager's
+clock, when the room's encoder was seen asleep, the limits in force). Its
+``on(event, world) -> effects`` decides; the handle applies the effects (sends frames, frees and
+copies blocks, counts, wakes waiters).
 
 Block ownership: blocks passed in with :class:`Init` or :class:`Resumed` belong to the room from
 then on. They leave it when the embedding is assembled or checkpointed (or spilled to host
@@ -79,7 +81,22 @@ class Round:
     block_ids: tuple[int, ...]
 
 
-# ---- events (what happened; times are the manager's clock unless named ``monotonic``) -----------
+@dataclass(frozen=True)
+class World:
+    """What a room's decision depends on outside the room, read by the handle as it calls ``on``."""
+
+    now: float  # the manager's clock
+    asleep_since: float | None  # when the room's encoder was seen asleep (None: awake)
+    abort_ack_timeout: float  # how long an aborted room waits for the ABORT_ACK ...
+    seconds_per_block: float  # ... plus this per block it holds: an encoder's write on a slow link ends later
+    unacked_block_hold: float  # then its blocks stay out of use this much longer, unless the ack comes
+    fork_abort_hold: float  # ... or, with a fork encoder, for the status of the round it owes
+    max_sleep: float  # how long a room waits for its encoder to wake
+    waiting_timeout: float  # how long a room asked for a round may go without progress
+    join_timeout: float  # how long an init waits for our encoder to say the room is real
+
+
+# ---- events: what happened to the room (when: the World's ``now``) ------------------------------
 
 @dataclass(frozen=True)
 class Init:
@@ -93,7 +110,6 @@ class Resumed:
     """The handle allocated these blocks for the next round (the room was resumable)."""
 
     block_ids: tuple[int, ...]
-    now: float
 
 
 @dataclass(frozen=True)
@@ -115,8 +131,7 @@ class StatusIn:
     total_tokens: int | None
     reason: str
     aux: np.ndarray | None
-    now: float
-    monotonic: float
+    monotonic: float  # time.monotonic() as it came (for ``sending_at``)
 
 
 @dataclass(frozen=True)
@@ -127,14 +142,12 @@ class AbortAck:
 @dataclass(frozen=True)
 class SuspendAck:
     ours: bool
-    now: float
 
 
 @dataclass(frozen=True)
 class Abort:
     kind: FailureKind
     reason: str
-    now: float
 
 
 @dataclass(frozen=True)
@@ -163,14 +176,11 @@ class PeerDead:
 
     why: str
     gone: bool
-    now: float
 
 
 @dataclass(frozen=True)
 class PeerWoke:
     """The peer answered awake after a sleep: the waiting timeout starts again."""
-
-    now: float
 
 
 @dataclass(frozen=True)
@@ -179,22 +189,11 @@ class Rebound:
 
     extended: bool
     peer_name: str
-    now: float
 
 
 @dataclass(frozen=True)
 class Tick:
-    """The manager's periodic check, with the limits in force."""
-
-    now: float
-    asleep_since: float | None  # when the peer was seen asleep (None: awake)
-    abort_ack_timeout: float  # how long an aborted room waits for the ABORT_ACK ...
-    seconds_per_block: float  # ... plus this per block it holds: an encoder's write on a slow link ends later
-    unacked_block_hold: float  # then its blocks stay out of use this much longer, unless the ack comes
-    fork_abort_hold: float  # ... or, with a fork encoder, for the status of the round it owes
-    max_sleep: float
-    waiting_timeout: float
-    join_timeout: float  # how long an init waits for our encoder to say the room is real
+    """The manager's periodic check: fail a wait that ran out."""
 
 
 @dataclass(frozen=True)
@@ -348,7 +347,7 @@ class ReceiverRoom:
 
     # ---- the one place a phase changes -------------------------------------------------------
 
-    def on(self, event: Event) -> list[Effect]:
+    def on(self, event: Event, world: World) -> list[Effect]:
         """Apply ``event``; the effects the handle must apply, in order."""
         out: list[Effect] = []
         if self.phase == R.CLOSED and not isinstance(event, _ANSWERED_WHEN_CLOSED):
@@ -357,13 +356,13 @@ class ReceiverRoom:
             case Init():
                 self._on_init(event, out)
             case Resumed():
-                self._on_resumed(event, out)
+                self._on_resumed(event, world, out)
             case Spill():
                 self._on_spill(event, out)
             case Clone():
                 self._on_clone(event, out)
             case Abort():
-                self._on_abort(event, out)
+                self._on_abort(event, world, out)
             case Suspend():
                 self._on_suspend(event, out)
             case Assemble():
@@ -373,9 +372,9 @@ class ReceiverRoom:
             case Restore():
                 self._on_restore(event, out)
             case StatusIn():
-                self._on_status_in(event, out)
+                self._on_status_in(event, world, out)
             case SuspendAck():
-                self._on_suspend_ack(event, out)
+                self._on_suspend_ack(event, world, out)
             case AbortAck():
                 self._on_abort_ack(event, out)
             case SendFailed():
@@ -383,13 +382,13 @@ class ReceiverRoom:
             case PeerGone() | PoolReleased():
                 self._on_nothing_can_land(out)
             case PeerDead():
-                self._on_peer_dead(event, out)
+                self._on_peer_dead(event, world, out)
             case PeerWoke():
-                self._on_peer_woke(event, out)
+                self._on_peer_woke(event, world, out)
             case Rebound():
-                self._on_rebound(event, out)
+                self._on_rebound(event, world, out)
             case Tick():
-                self._on_tick(event, out)
+                self._on_tick(event, world, out)
             case _:
                 raise TypeError(f"room {self.room}: unknown event {event!r}")
         return out
@@ -411,7 +410,7 @@ class ReceiverRoom:
         self._move(R.WAITING)
         out.append(SendRound(tuple(ev.block_ids), None, register=True))
 
-    def _on_resumed(self, ev: Resumed, out: list[Effect]) -> None:
+    def _on_resumed(self, ev: Resumed, world: World, out: list[Effect]) -> None:
         if not self.resumable or not ev.block_ids:
             raise ValueError(f"room {self.room}: no resume in phase {self.phase.name}")
         early = self.phase == R.EARLY
@@ -423,7 +422,7 @@ class ReceiverRoom:
         else:
             self.state.advance(KVPoll.WaitingForInput, start)
         self.resume_rounds += 1
-        self.last_progress = ev.now
+        self.last_progress = world.now
         self._move(R.WAITING)
         out.append(SendRound(tuple(ev.block_ids), start))
 
@@ -442,7 +441,7 @@ class ReceiverRoom:
         assert self.total_tokens is not None
         out.append(CopyOut(self._take_rounds(), min(self.round_end, self.total_tokens), "clone"))
 
-    def _on_abort(self, ev: Abort, out: list[Effect]) -> None:
+    def _on_abort(self, ev: Abort, world: World, out: list[Effect]) -> None:
         """Fail at once and tell the encoder. Blocks the encoder may still be writing come back
         with its ack (or when it is found gone, or ``unacked_block_hold`` past the ack timeout);
         others at once."""
@@ -451,7 +450,7 @@ class ReceiverRoom:
         self._note_failure(out)
         if self.phase in (MAYBE_IN_FLIGHT if self.extended else FORK_OWES_A_ROUND):
             self._move(R.ABORTING)
-            self.aborted_at = ev.now
+            self.aborted_at = world.now
             out.append(Notify())
         else:
             self._close(out)
@@ -504,7 +503,7 @@ class ReceiverRoom:
 
     # ---- the encoder and the peer watch ------------------------------------------------------
 
-    def _on_status_in(self, ev: StatusIn, out: list[Effect]) -> None:
+    def _on_status_in(self, ev: StatusIn, world: World, out: list[Effect]) -> None:
         self.heard = True
         if ev.status == KVPoll.Failed:  # the encoder stopped writing: the blocks are safe to free
             if self.state.status != KVPoll.Failed:
@@ -524,7 +523,7 @@ class ReceiverRoom:
         if ev.status not in (KVPoll.Transferring, KVPoll.Success):
             return
         if ev.sent_tokens is not None and ev.sent_tokens > self.round_end:
-            self._fail_bad(f"status says {ev.sent_tokens} tokens sent, only {self.round_end} allocated", ev.now, out)
+            self._fail_bad(f"status says {ev.sent_tokens} tokens sent, only {self.round_end} allocated", world, out)
             return
         self.sending_at = self.sending_at or ev.monotonic
         if self.aux is None:  # the first round carried aux: read the total from it
@@ -532,21 +531,21 @@ class ReceiverRoom:
             self.aux = ev.aux
             total = int(self.aux[0])
             if total <= 0 or self.total_tokens not in (None, total):
-                self._fail_bad(f"aux reports {total} total tokens (announced: {self.total_tokens})", ev.now, out)
+                self._fail_bad(f"aux reports {total} total tokens (announced: {self.total_tokens})", world, out)
                 return
             self.total_tokens = total
         assert self.total_tokens is not None
         landed = ev.sent_tokens if ev.sent_tokens is not None else min(self.round_end, self.total_tokens)
         if ev.status == KVPoll.Success:
             if landed != self.total_tokens:
-                self._fail_bad(f"Success after {landed} of {self.total_tokens} tokens", ev.now, out)
+                self._fail_bad(f"Success after {landed} of {self.total_tokens} tokens", world, out)
                 return
             self.state.advance(KVPoll.Success, landed)
             self._move(R.LANDED)
             out.append(NoteSuccess())
         else:
             if landed >= self.total_tokens:
-                self._fail_bad(f"Transferring although all {self.total_tokens} tokens were allocated", ev.now, out)
+                self._fail_bad(f"Transferring although all {self.total_tokens} tokens were allocated", world, out)
                 return
             if self.round_end > landed:  # the next round was asked for early and is under way
                 self.state.advance(KVPoll.WaitingForInput, landed)
@@ -556,7 +555,7 @@ class ReceiverRoom:
                     self._move(R.PARTIAL)
                 elif not self.extended:  # the fork's round landed: nothing is in flight
                     self._move(R.SUSPENDED)
-        self.last_progress = ev.now
+        self.last_progress = world.now
         out.append(Notify())
 
     def _on_total(self, total: int, monotonic: float, out: list[Effect]) -> None:
@@ -570,7 +569,7 @@ class ReceiverRoom:
             self._move(R.EARLY)
         out.append(Notify())
 
-    def _on_suspend_ack(self, ev: SuspendAck, out: list[Effect]) -> None:
+    def _on_suspend_ack(self, ev: SuspendAck, world: World, out: list[Effect]) -> None:
         if ev.ours and self.phase == R.SUSPENDING:
             self._move(R.SUSPENDED)
             out.append(Notify())
@@ -579,7 +578,7 @@ class ReceiverRoom:
             # we resumed it, which we would not know to do. Give it up (the abort ends it there).
             out.append(Count("foreign_suspend"))
             self._on_abort(Abort(FailureKind.ABORTED, f"{self.peer_name} suspended the room on a SUSPEND "
-                                                      "this worker did not send", ev.now), out)
+                                                      "this worker did not send"), world, out)
         else:
             out.append(Count("stale_message"))
 
@@ -607,24 +606,24 @@ class ReceiverRoom:
         if self.phase == R.ABORTING:
             self._close(out)
 
-    def _on_peer_dead(self, ev: PeerDead, out: list[Effect]) -> None:
+    def _on_peer_dead(self, ev: PeerDead, world: World, out: list[Effect]) -> None:
         """A peer whose process is gone writes nothing more: the blocks come back at once. One that
         only stopped answering may still write when it comes back: abort, the blocks wait."""
         reason = f"{self.peer_name} is dead: {ev.why}"
         if self.phase in MAYBE_IN_FLIGHT and not ev.gone:
-            self._on_abort(Abort(FailureKind.PEER_DEAD, reason, ev.now), out)
+            self._on_abort(Abort(FailureKind.PEER_DEAD, reason), world, out)
         elif self.phase not in (R.LANDED, R.CLOSED) and (ev.gone or self.phase != R.ABORTING):
             self.state.fail(FailureKind.PEER_DEAD, reason)
             self._close(out)
 
-    def _on_peer_woke(self, ev: PeerWoke, out: list[Effect]) -> None:
-        self.last_progress = ev.now
+    def _on_peer_woke(self, ev: PeerWoke, world: World, out: list[Effect]) -> None:
+        self.last_progress = world.now
 
-    def _on_rebound(self, ev: Rebound, out: list[Effect]) -> None:
+    def _on_rebound(self, ev: Rebound, world: World, out: list[Effect]) -> None:
         """Ask the restarted encoder again for the round it owes this room. A round that starts
         at token 0 is asked for with an init, a later one with a resume; a restarted encoder
         restores exactly those two kinds of room from its checkpoint."""
-        self.extended, self.peer_name, self.last_progress = ev.extended, ev.peer_name, ev.now
+        self.extended, self.peer_name, self.last_progress = ev.extended, ev.peer_name, world.now
         if self.phase != R.WAITING:
             return  # nothing requested: the next resume goes to the new rank
         start = self.state.progress.sent_tokens
@@ -632,50 +631,50 @@ class ReceiverRoom:
         if pending is not None:
             out.append(SendRound(pending.block_ids, start or None))
 
-    def _on_tick(self, ev: Tick, out: list[Effect]) -> None:
+    def _on_tick(self, ev: Tick, world: World, out: list[Effect]) -> None:
         if self.phase == R.ABORTING:
-            self._check_abort_hold(ev, out)
-        elif ev.asleep_since is not None:
-            if ev.now - ev.asleep_since > ev.max_sleep:
-                self._on_abort(Abort(FailureKind.TIMEOUT, f"{self.peer_name} slept longer than {ev.max_sleep:g}s",
-                                     ev.now), out)
+            self._check_abort_hold(world, out)
+        elif world.asleep_since is not None:
+            if world.now - world.asleep_since > world.max_sleep:
+                self._on_abort(Abort(FailureKind.TIMEOUT, f"{self.peer_name} slept longer than {world.max_sleep:g}s"),
+                               world, out)
         elif (self.phase == R.WAITING and self.extended and not self.heard and self.total_tokens is None
-              and ev.now - self.last_progress > ev.join_timeout):  # (a total came: restored after a restart)
+              and world.now - self.last_progress > world.join_timeout):  # (a total came: restored after a restart)
             self._on_abort(Abort(FailureKind.TIMEOUT, f"{self.peer_name} has no encode request for room {self.room} "
-                                                      f"(none within {ev.join_timeout:g}s)", ev.now), out)
-        elif self.phase in (R.WAITING, R.EARLY) and ev.now - self.last_progress > ev.waiting_timeout:
+                                                      f"(none within {world.join_timeout:g}s)"), world, out)
+        elif self.phase in (R.WAITING, R.EARLY) and world.now - self.last_progress > world.waiting_timeout:
             self._on_abort(Abort(FailureKind.TIMEOUT, f"no data from {self.peer_name} within "
-                                                      f"{ev.waiting_timeout:g}s", ev.now), out)
+                                                      f"{world.waiting_timeout:g}s"), world, out)
 
-    def _check_abort_hold(self, ev: Tick, out: list[Effect]) -> None:
+    def _check_abort_hold(self, world: World, out: list[Effect]) -> None:
         """An aborted room waits for its encoder's ack (a fork's status) to free its blocks. Past
         the ack wait our encoder counts as dead for the room, but the blocks stay out of use up to
         ``unacked_block_hold`` longer: one cut off by a partition may still have a write queued in
         Mooncake that lands once the link returns, and it acks only after that write settled."""
-        waited = ev.now - self.aborted_at
+        waited = world.now - self.aborted_at
         if not self.extended:
-            if waited > ev.fork_abort_hold:
+            if waited > world.fork_abort_hold:
                 out.append(Warn(f"room {self.room}: no status from {self.peer_name} within "
-                                f"{ev.fork_abort_hold:g}s; its blocks are freed"))
+                                f"{world.fork_abort_hold:g}s; its blocks are freed"))
                 self._close(out)
             return
-        ack_wait = ev.abort_ack_timeout + sum(len(rnd.block_ids) for rnd in self.rounds) * ev.seconds_per_block
-        if waited > ack_wait + ev.unacked_block_hold:
+        ack_wait = world.abort_ack_timeout + sum(len(rnd.block_ids) for rnd in self.rounds) * world.seconds_per_block
+        if waited > ack_wait + world.unacked_block_hold:
             out.append(Warn(f"room {self.room}: no ABORT_ACK from {self.peer_name} within "
-                            f"{ack_wait + ev.unacked_block_hold:g}s; its blocks are freed"))
+                            f"{ack_wait + world.unacked_block_hold:g}s; its blocks are freed"))
             self._close(out)
         elif waited > ack_wait and not self.unacked:
             self.unacked = True
             out += [Count("abort_unacked"),
                     Warn(f"room {self.room}: no ABORT_ACK from {self.peer_name} within {ack_wait:g}s; its blocks "
                          f"stay out of use until it acknowledges or is found gone, at most "
-                         f"{ev.unacked_block_hold:g}s more")]
+                         f"{world.unacked_block_hold:g}s more")]
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _fail_bad(self, what: str, now: float, out: list[Effect]) -> None:
+    def _fail_bad(self, what: str, world: World, out: list[Effect]) -> None:
         out.append(Count("bad_status"))
-        self._on_abort(Abort(FailureKind.PROTOCOL, f"{self.peer_name} sent an inconsistent status: {what}", now), out)
+        self._on_abort(Abort(FailureKind.PROTOCOL, f"{self.peer_name} sent an inconsistent status: {what}"), world, out)
 
     def _note_failure(self, out: list[Effect]) -> None:
         """Count a failed room against its encoder once, as soon as it failed (for /health)."""
