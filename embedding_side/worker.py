@@ -37,6 +37,7 @@ asleep and continues those rooms after ``/wake_up``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import threading
@@ -258,7 +259,8 @@ class EncodeWorker:
         now = time.monotonic()
         if idle and now - self._trimmed_at >= TRIM_INTERVAL_S:
             self._trimmed_at = now
-            self._loaders.submit(give_back_free_pages)
+            with contextlib.suppress(RuntimeError):  # closed (the process ends): nothing to give back
+                self._loaders.submit(give_back_free_pages)
 
     async def _encode(self, rid: str, sender: EmbeddingSender, modality: str, refs: list[str]) -> tuple[dict, float]:
         """Steps 2 to 5 of the module docstring; returns the reply body and when the embedding
