@@ -108,6 +108,9 @@ class MooncakeTransport(Transport):
         self._held: list[_HeldParts] = []  # of writes given up on, not settled yet: close() waits for them too
         self._closed = False
 
+    def shared_engine(self) -> object:
+        return self._engine.get_engine()
+
     def register(self, regions: list[tuple[int, int]]) -> None:
         for addr, length in regions:
             if self._engine.register_memory(addr, length) != 0:

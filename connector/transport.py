@@ -45,3 +45,8 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the engine; the object is unusable afterwards."""
+
+    def shared_engine(self) -> object | None:
+        """The engine itself, for a Mooncake Store client in the same process to move its bytes
+        with (one engine per process: its ports, its threads); None where there is none to share."""
+        return None

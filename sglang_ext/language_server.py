@@ -317,7 +317,7 @@ def _start_receiver(ours: argparse.Namespace, manager):
                             queue_while_sleeping=ours.queue_while_sleeping)
     store = global_cache(ours, config)
     if store is not None:
-        store.connect()  # bounded; a master not answering now is tried again later
+        store.connect(worker.transport)  # bounded; a master not answering now is tried again later
     dispatch = EncoderDispatch(ours.encoder_urls or [], worker, EmbeddingCache(ours.image_embedding_cache_bytes),
                                store=store)
     receiver = ResumableReceiver(dispatch, manager.model_config.dtype, keep_inputs=bool(ours.checkpoint_dir),

@@ -67,10 +67,10 @@ def build(args: argparse.Namespace, encoder=None) -> Built:  # noqa: ANN001 - a 
                                    max_video_pixels=args.max_video_pixels,
                                    max_audio_seconds=args.max_audio_seconds)
         store = global_cache(args, config)
-        if store is not None:
-            store.connect()  # bounded; a master not answering now is tried again later
         worker = EncodeWorker(config, encoder, args.disaggregation_bootstrap_port, media, args.queue_while_sleeping,
                               args.checkpoint_dir, store)
+        if store is not None:  # on the worker's engine; bounded: a master not answering now is tried again later
+            store.connect(worker.transport)
         if warming is not None:
             _warmed(warming, worker)
         extra = (f" bootstrap=http://{config.public_host}:{worker.bootstrap.port} "

@@ -86,7 +86,7 @@ class DictStore:
 
 def store_on(client: DictStore, timeout_s: float = 0.3) -> EmbeddingStore:
     store = EmbeddingStore(StoreSettings("127.0.0.1:1", "P2PHANDSHAKE", "127.0.0.1", 0, timeout_s, SECRET),
-                           client_factory=lambda settings: client)
+                           client_factory=lambda settings, transport: client)
     assert store.connect()
     return store
 

@@ -2,7 +2,8 @@
 workers (SGLang's encoder) and two SGLang language servers: an image one server had encoded is
 taken from the store by the other, with no forward pass; an image sent by path is encoded once
 for both servers; a forged or changed entry, or one of another fingerprint, never reaches a
-prefill; the master killed mid-trace costs no request its answer. The language servers keep no
+prefill; the master killed mid-trace costs no request its answer; each worker's store client moves
+entries with the worker's own transfer engine. The language servers keep no
 cache of their own here, so every image is looked up in the cluster's. Every answer is checked against
 transformers' monolithic model on the seeded checkpoint."""
 
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from monolithic import greedy_mismatch
 from sglang_stack import (
@@ -123,6 +126,20 @@ def wait_for_puts(cluster: Cluster, count: float, timeout: float = 30.0) -> None
     while cluster.total(PUT) < count:
         assert time.monotonic() < deadline, f"{cluster.total(PUT)} entries written, {count} expected"
         time.sleep(0.1)
+
+
+def engine_ports(worker: WorkerProcess) -> set[int]:
+    """The ports ``worker``'s process listens on in Mooncake's range (an engine's handshake and data ports)."""
+    return {c.laddr.port for c in psutil.Process(worker.proc.pid).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and 15000 <= c.laddr.port <= 17000}
+
+
+def test_each_worker_has_one_transfer_engine_which_its_store_client_shares(cluster) -> None:
+    """A store client of its own engine would listen on two more ports (and start its own threads)."""
+    for worker in (*cluster.encoders, *cluster.languages):
+        assert len(engine_ports(worker)) == 2, (worker.mode, sorted(engine_ports(worker)))
+    for encoder in cluster.encoders:  # and that engine is the connector's (the one its peers are told of)
+        assert int(re.search(r"mooncake=[\d.]+:(\d+)", encoder.ready_line).group(1)) in engine_ports(encoder)
 
 
 def test_an_image_one_server_had_encoded_is_taken_from_the_store_by_the_other(cluster, images, reference) -> None:

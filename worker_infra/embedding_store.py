@@ -36,9 +36,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from prometheus_client import Counter, Gauge
+
+if TYPE_CHECKING:
+    from connector.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ MAX_PENDING_PUTS = 4  # entries waiting to be written; more are dropped
 STORE_THREADS = 4  # calls in flight at once (one stuck call does not hold the others)
 _LEFT_OPEN: list = []  # clients closed by the process's end (see EmbeddingStore.close)
 KEY_PREFIX = "epd-emb"
+P2P_METADATA = "P2PHANDSHAKE"  # peers tell each other their segments (the connector's engine's metadata)
 LOCAL_BUFFER_BYTES = 16 << 20  # the client's staging for put() and get(), which this module does not use
 # Mooncake Store's return codes (mooncake-store types.h)
 NO_AVAILABLE_HANDLE = -200  # full: no segment has room (its eviction runs behind)
@@ -150,11 +155,13 @@ class StoreSettings:
 class EmbeddingStore:
     """Mooncake Store as the cluster's embedding cache (see the module docstring)."""
 
-    def __init__(self, settings: StoreSettings, client_factory: Callable[[StoreSettings], object] | None = None) -> None:
+    def __init__(self, settings: StoreSettings,
+                 client_factory: Callable[[StoreSettings, Transport | None], object] | None = None) -> None:
         self.settings = settings
         self.state = StoreState.UNCONNECTED
         self._client = None
         self._client_factory = client_factory or _mooncake_client
+        self._transport: Transport | None = None  # the worker's, whose engine the client shares
         self._retry_at = 0.0
         self._lock = threading.Lock()
         self._connecting: concurrent.futures.Future | None = None
@@ -208,15 +215,17 @@ class EmbeddingStore:
 
     def _connect(self) -> None:
         try:
-            client = self._client_factory(self.settings)
+            client = self._client_factory(self.settings, self._transport)
         except Exception as exc:  # noqa: BLE001 - any failure of Mooncake's set-up: go on without the cache
             self._become(StoreState.UNAVAILABLE, f"set-up failed: {exc}")
             return
         self._client = client
         self._become(StoreState.AVAILABLE)
 
-    def connect(self, timeout: float | None = None) -> bool:
-        """Set the client up now (at start-up); whether the store answers."""
+    def connect(self, transport: Transport | None = None, timeout: float | None = None) -> bool:
+        """Set the client up now (at start-up), moving its bytes with ``transport``'s engine (the
+        worker's own: one engine per process) where it has one to share; whether the store answers."""
+        self._transport = transport
         self._connect_soon()
         assert self._connecting is not None
         try:
@@ -358,15 +367,21 @@ def _write(client, key: str, blob: np.ndarray) -> str:
     return "refused"  # e.g. the memory it chose belongs to a worker that just went
 
 
-def _mooncake_client(settings: StoreSettings):
+def _mooncake_client(settings: StoreSettings, transport: Transport | None):
+    """A set-up client. It shares ``transport``'s engine (named by its session id) when the store's
+    metadata is peer to peer, as that engine's is: a second engine in the process would open two
+    more ports and start its own threads beside the first (and two engines set up side by side in
+    one process have crashed it)."""
     from mooncake.store import MooncakeDistributedStore
 
+    engine = transport.shared_engine() if transport is not None and settings.metadata == P2P_METADATA else None
+    local = transport.session_id if engine is not None else settings.local_host
     # one set-up attempt (Mooncake's default is 20 of about 4.4 s each against a master that is down);
     # the store is tried again after RETRY_AFTER_S
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
     client = MooncakeDistributedStore()
-    code = client.setup(settings.local_host, settings.metadata, settings.segment_bytes, LOCAL_BUFFER_BYTES, "tcp", "",
-                        settings.master)
+    code = client.setup(local, settings.metadata, settings.segment_bytes, LOCAL_BUFFER_BYTES, "tcp", "",
+                        settings.master, engine)
     if code != 0:
         raise RuntimeError(f"Mooncake Store set-up returned {code} (master {settings.master})")
     return client
