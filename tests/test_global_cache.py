@@ -2,8 +2,9 @@
 workers (SGLang's encoder) and two SGLang language servers: an image one server had encoded is
 taken from the store by the other, with no forward pass; an image sent by path is encoded once
 for both servers; a forged or changed entry, or one of another fingerprint, never reaches a
-prefill; the master killed mid-trace costs no request its answer; each worker's store client moves
-entries with the worker's own transfer engine. The language servers keep no
+prefill; an encoder killed under load, with entries in the memory it lent the store, and the master
+killed mid-trace cost no request its answer; each worker's store client moves entries with the
+worker's own transfer engine. The language servers keep no
 cache of their own here, so every image is looked up in the cluster's. Every answer is checked against
 transformers' monolithic model on the seeded checkpoint."""
 
@@ -13,6 +14,7 @@ import base64
 import hashlib
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,6 +202,40 @@ def test_a_forged_or_changed_entry_or_one_of_another_fingerprint_never_reaches_a
                for lang in cluster.languages) == rejected + 2
     log = "".join(cluster.languages[1].log)
     assert "held a bad entry under" in log and "its bytes do not match its tag" in log
+
+
+def test_an_encoder_killed_with_entries_in_its_lent_memory_costs_no_request_its_answer(cluster, images,
+                                                                                       reference) -> None:
+    """The store keeps entries in the memory the encoders lend it: one encoder killed (kill -9)
+    under 8 clients takes its share of them along. Every request still gets the reference's
+    tokens: a lookup of a lost entry is a miss (or gives up within its bound), the image goes to
+    the encoder alive (the requests the dead one held fail over to it), and no block stays taken."""
+    paths = [images[name] for name in ("448x448", "1920x1080", "other", "3840x2160")]
+    encoded, written = cluster.total(ENCODED), cluster.total(PUT)
+    for i, path in enumerate(paths):  # every entry in the store, in either encoder's memory
+        answer(cluster.languages[i % 2], path, f"before-encoder-kill-{i}", reference)
+    wait_for_puts(cluster, written + cluster.total(ENCODED) - encoded)
+    victim, survivor = cluster.encoders
+    trace = [(cluster.languages[i % 2], [paths[i % len(paths)]], f"encoder-kill-{i}") for i in range(16)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = [pool.submit(generate, *request) for request in trace]
+        deadline = time.monotonic() + 30
+        while encoder_health(victim)["pending"] == 0:  # killed holding a request (it fails over)
+            assert time.monotonic() < deadline, "no request reached the encoder in 30 s"
+            time.sleep(0.01)
+        victim.proc.kill()
+        victim.proc.wait(10)
+        for (_, image, rid), got in zip(trace, answers, strict=True):
+            response = got.result(timeout=300)
+            assert response.status_code == 200, (rid, response.text)
+            assert greedy_mismatch(response.json()["output_ids"], reference(image)) is None, rid
+    for i, path in enumerate(paths):  # and after it: each from the store or encoded by the survivor
+        answer(cluster.languages[i % 2], path, f"after-encoder-kill-{i}", reference)
+    assert metric(survivor, "epd_encoder_items_total") > 0
+    for language in cluster.languages:
+        idle = connector_idle(language)
+        assert idle["free_blocks"] == idle["num_blocks"], idle
+    cluster.encoders = [survivor]  # what the tests after this one have
 
 
 def test_the_master_killed_mid_trace_costs_no_request_its_answer(cluster, master, images, reference) -> None:

@@ -49,12 +49,25 @@ def start_pairs(pair: Pair, paths: list[str], pool: ThreadPoolExecutor, count: i
     return futures
 
 
+def encoded(encode: WorkerProcess) -> float:
+    """Items the encode worker has run its encoder on."""
+    text = requests.get(f"{encode.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('epd_encoder_items_total{source="encoded"}'))
+
+
 def test_an_encoder_falling_asleep_with_8_pairs_in_flight_leaves_no_language_room_hanging(paths, model) -> None:
     pair = Pair(model_path=model)
     try:
         with ThreadPoolExecutor(8) as pool:
             futures = start_pairs(pair, paths, pool, 8, seed=8)
-            time.sleep(0.3)
+            # The sleep comes once a forward pass is done: a request past it is kept over the sleep
+            # (or done before it); one before it is refused. A fixed delay missed every forward pass
+            # on a loaded machine.
+            deadline = time.monotonic() + 60
+            while not encoded(pair.encode):
+                assert time.monotonic() < deadline, "no forward pass in 60 s"
+                time.sleep(0.02)
             reply = requests.post(f"{pair.encode.url}/sleep", params={"preserve_state": "true"}, timeout=60)
             assert reply.status_code == 200, reply.text
             time.sleep(2.0)
