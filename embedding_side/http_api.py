@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from aiohttp import web
+from fastapi import FastAPI, Request
 
 from embedding_side.worker import EncodeWorker
-from worker_infra.http import StrictBody, add_sleep_routes, check_room, errors_as_json, read_body
+from worker_infra.http import JSON, StrictBody, check_room, read_body, worker_app
+
+# A body holds its images as data: URIs: room for what a language server takes in one request
+# (its --max-request-body-bytes, 64 MiB by default) and the JSON around it
+MAX_BODY_BYTES = 96 << 20
 
 
 class EncodeIn(StrictBody):
@@ -21,22 +25,13 @@ class EncodeIn(StrictBody):
     text: str | None = None  # the prompt, sent along by some routers; not used here
 
 
-def build_app(worker: EncodeWorker, admin_api_key: str | None = None) -> web.Application:
-    async def encode(request: web.Request) -> web.Response:
+def build_app(worker: EncodeWorker, admin_api_key: str | None = None) -> FastAPI:
+    async def encode(request: Request) -> JSON:
         body = await read_body(request, EncodeIn)
         room = check_room(body.bootstrap_room)
-        return web.json_response(await worker.encode(body.rid, room, body.images, body.wait_for_delivery,
-                                                    body.videos, body.audios))
+        return JSON(await worker.encode(body.rid, room, body.images, body.wait_for_delivery, body.videos,
+                                        body.audios))
 
-    async def health(_request: web.Request) -> web.Response:
-        return web.json_response(worker.health())
-
-    async def metrics(_request: web.Request) -> web.Response:
-        return web.Response(body=worker.metrics.render(), content_type="text/plain")
-
-    app = web.Application(middlewares=[errors_as_json], client_max_size=96 << 20)
-    app.router.add_post("/encode", encode)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    add_sleep_routes(app, worker, admin_api_key)
+    app = worker_app(worker, MAX_BODY_BYTES, admin_api_key)
+    app.add_api_route("/encode", encode, methods=["POST"])
     return app

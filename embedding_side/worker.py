@@ -82,8 +82,8 @@ from embedding_side.shared_encodings import SharedEncodings, join_items, rows_of
 from embedding_side.videos import decode_bytes as video_decode_bytes
 from embedding_side.videos import open_video
 from worker_infra.embedding_store import EmbeddingStore, StoredMedia
+from worker_infra.futures import wait_for_future
 from worker_infra.heap import give_back_free_pages
-from worker_infra.http import wait_for_future
 from worker_infra.metrics import WorkerMetrics
 from worker_infra.sleep import SleepGate, WorkerState
 

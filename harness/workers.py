@@ -19,7 +19,6 @@ from pathlib import Path
 
 import psutil
 import requests
-from aiohttp.test_utils import TestServer
 
 from harness import worker_zygote
 
@@ -200,14 +199,15 @@ def start_together(*starts: Callable[[], WorkerProcess]) -> list[WorkerProcess]:
 
 class InProcessWorker:
     """A worker built by the launcher from the same flags, its app served in this process by
-    aiohttp's test server on a thread of its own: the fast tier's way to reach the real HTTP
-    handlers. ``url`` is its address; the worker's Mooncake engine, pools and threads are the
-    real ones. ``stop`` shuts it down in the order the process does (see ``serve``)."""
+    uvicorn, as ``serve`` serves it, on an event loop in a thread of its own: the fast tier's way
+    to reach the real HTTP handlers. ``url`` is its address; the worker's Mooncake engine, pools
+    and threads are the real ones. ``stop`` shuts it down in the order the process does."""
 
     def __init__(self, mode: str, *extra: str, bootstrap_port: int | None = None, encoder=None) -> None:  # noqa: ANN001
         """``encoder``: what an encode worker runs instead of SGLang's encoder for ``--model-path``
         (a test double: ``tests/fake_encoder.py``)."""
         from sglang_ext.launch_server import build, parse
+        from worker_infra.http import AppServer, listening_socket
 
         self.mode = mode
         args = ["--disaggregation-mode", mode, "--host", "127.0.0.1", *extra]
@@ -221,10 +221,9 @@ class InProcessWorker:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"in-process-{mode}-worker", daemon=True)
         self._thread.start()
-        self._server = TestServer(self.built.app, host="127.0.0.1")
-        # As serve() runs it: 2 s to finish handlers at shutdown; a gone client cancels its handler
-        # (the test server's default).
-        self._on_loop(self._server.start_server(shutdown_timeout=2.0, access_log=None))
+        self._server = AppServer(self.built.app, listening_socket("127.0.0.1", 0))
+        self._on_loop(self._server.start())
+        self._running = asyncio.run_coroutine_threadsafe(self._server.run(), self._loop)
         self.url = f"http://127.0.0.1:{self._server.port}"
 
     def _on_loop(self, coro, timeout: float = 30.0):  # noqa: ANN001, ANN202
@@ -238,6 +237,8 @@ class InProcessWorker:
         worker = self.built.worker
         try:
             worker.stop()
+            self._server.should_stop()
+            self._running.result(30)
             self._on_loop(self._server.close())
             self._on_loop(self._loop.shutdown_default_executor())
         finally:

@@ -54,7 +54,8 @@ from language_side.layout import MERGE, LayoutError, grids_from_positions, image
 from language_side.transfer_meta import TransferMeta
 from language_side.worker import LanguageWorker
 from worker_infra.embedding_store import EmbeddingStore, StoredMedia, media_key
-from worker_infra.http import encoder_host, wait_for_future
+from worker_infra.futures import wait_for_future
+from worker_infra.trust import encoder_host
 
 log = logging.getLogger(__name__)
 

@@ -9,22 +9,16 @@ and the connector's process tests drive.
 
 from __future__ import annotations
 
-from aiohttp import web
+from fastapi import FastAPI, Request
 from pydantic import ConfigDict
 
 from connector import FailureKind
 from language_side.worker import LanguageWorker
-from worker_infra.http import (
-    BootstrapAllowList,
-    HTTPError,
-    StrictBody,
-    add_sleep_routes,
-    check_host,
-    check_room,
-    errors_as_json,
-    read_body,
-    wait_for_future,
-)
+from worker_infra.futures import wait_for_future
+from worker_infra.http import JSON, HTTPError, StrictBody, check_room, read_body, worker_app
+from worker_infra.trust import BootstrapAllowList, check_host
+
+MAX_BODY_BYTES = 1 << 20  # a rid, a bootstrap address and a room
 
 
 class TransferIn(StrictBody):
@@ -43,11 +37,11 @@ class AbortIn(StrictBody):
     rid: str
 
 
-def build_app(worker: LanguageWorker, allowed: BootstrapAllowList, admin_api_key: str | None = None) -> web.Application:
+def build_app(worker: LanguageWorker, allowed: BootstrapAllowList, admin_api_key: str | None = None) -> FastAPI:
     """``allowed``: the encoders a request may name by bootstrap address; ``admin_api_key`` guards
     sleep and wake."""
 
-    async def receive(request: web.Request) -> web.Response:
+    async def receive(request: Request) -> JSON:
         body = await read_body(request, TransferIn)
         room, port, rid = check_room(body.bootstrap_room), body.bootstrap_port, body.rid
         if not 0 < port < 65536:
@@ -55,22 +49,13 @@ def build_app(worker: LanguageWorker, allowed: BootstrapAllowList, admin_api_key
         host = check_host(body.bootstrap_host)
         allowed.check(host, port)
         future = worker.submit(rid, f"{host}:{port}", room, named_by_client=True)
-        return web.json_response(await wait_for_future(future, lambda: worker.cancel(rid, "the client went away")))
+        return JSON(await wait_for_future(future, lambda: worker.cancel(rid, "the client went away")))
 
-    async def abort_request(request: web.Request) -> web.Response:
+    async def abort_request(request: Request) -> JSON:
         rid = (await read_body(request, AbortIn)).rid
-        return web.json_response({"rid": rid, "aborted": worker.cancel(rid, "aborted by /abort_request")})
+        return JSON({"rid": rid, "aborted": worker.cancel(rid, "aborted by /abort_request")})
 
-    async def health(_request: web.Request) -> web.Response:
-        return web.json_response(worker.health())
-
-    async def metrics(_request: web.Request) -> web.Response:
-        return web.Response(body=worker.metrics.render(), content_type="text/plain")
-
-    app = web.Application(middlewares=[errors_as_json])
-    app.router.add_post("/generate", receive)
-    app.router.add_post("/abort_request", abort_request)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    add_sleep_routes(app, worker, admin_api_key)
+    app = worker_app(worker, MAX_BODY_BYTES, admin_api_key)
+    app.add_api_route("/generate", receive, methods=["POST"])
+    app.add_api_route("/abort_request", abort_request, methods=["POST"])
     return app

@@ -1,8 +1,6 @@
-"""ASGI middlewares our language mode puts in front of SGLang's FastAPI app.
+"""ASGI middlewares our language mode puts in front of SGLang's FastAPI app (with
+``worker_infra.asgi``'s, which every worker's app has).
 
-* :class:`BodyLimit`: every request body is bounded (``--max-request-body-bytes``): 413 from
-  ``Content-Length`` before anything is read, or as soon as a body sent without one (chunked)
-  passes the bound; nothing beyond the bound is held, nothing is parsed.
 * :class:`ScrubErrors`: an error answer never carries a server path or a stack frame (FastAPI's
   validation errors quote the endpoint's file and line; exceptions' texts may name files).
 * :class:`RetryAfter`: a 429 or 503 without ``Retry-After`` gets the connector's.
@@ -16,19 +14,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from connector import FailureKind
+from worker_infra.asgi import Message, Receive, Scope, Send, answer, openai_error
 from worker_infra.http import asleep_error
 
 if TYPE_CHECKING:
     from language_side.worker import LanguageWorker
-
-Scope = dict
-Message = dict
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 # a Python stack frame's line ('File "/x/y.py", line 3, in f'), raw or inside a JSON string
 _FRAME = re.compile(r'(\\n|\n)?[ \t]*File \\?"[^"\\]+\\?", line \d+(, in [\w<>.]+)?')
@@ -39,61 +32,6 @@ _ADDRESS = re.compile(r"\b(?:https?|tcp)://[^\s\"'\\/),]+"
                       r"|(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?(?![\w.])"
                       r"|\[[0-9A-Fa-f:.]+\](?::\d{1,5})?"
                       r"|(?<![\w.-])(?:localhost|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+):\d{1,5}\b")
-
-
-async def _answer(send: Send, status: int, message: str, extra: dict | None = None,
-                  headers: list[tuple[bytes, bytes]] = ()) -> None:
-    body = json.dumps({"error": {"message": message, "code": status}, "object": "error", "message": message,
-                       "code": status, **(extra or {})}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close"), *headers]})
-    await send({"type": "http.response.body", "body": body})
-
-
-class BodyLimit:
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            return await _answer(send, 413, self._too_large(declared.decode("latin-1")))
-        received = 0
-        refused = started = False
-
-        async def bounded_receive() -> Message:
-            nonlocal received, refused
-            message = await receive()
-            if message["type"] == "http.request" and not refused:
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    refused = True
-                    if not started:
-                        await _answer(send, 413, self._too_large(f"more than {self.max_bytes}"))
-                    return {"type": "http.disconnect"}  # the app stops reading; what it answers is dropped
-            return message
-
-        async def guarded_send(message: Message) -> None:
-            nonlocal started
-            if refused:
-                return
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, bounded_receive, guarded_send)
-        except Exception:
-            if not refused:
-                raise
-            # the app failed on the disconnect it was handed (Starlette's ClientDisconnect): the
-            # client has its 413
-
-    def _too_large(self, size: str) -> str:
-        return (f"request body of {size} bytes is over this server's limit of {self.max_bytes} bytes "
-                f"(--max-request-body-bytes)")
 
 
 class ScrubErrors:
@@ -180,8 +118,9 @@ class AsleepHealth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in HEALTH_ROUTES and self.connector.is_sleeping():
             asleep = asleep_error("language")
-            return await _answer(send, asleep.kind.http_status, str(asleep), {"sleeping": True},
-                                 [(b"retry-after", asleep.kind.retry_after.encode())])
+            return await answer(send, asleep.kind.http_status,
+                                openai_error(asleep.kind.http_status, str(asleep)) | {"sleeping": True},
+                                [(b"retry-after", asleep.kind.retry_after.encode())])
         await self.app(scope, receive, send)
 
 

@@ -44,23 +44,12 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
-from fastapi import Request  # SGLang's server is FastAPI; this module runs only where it is installed
-
-from connector import FailureKind, TransferFailure
-from sglang_ext.http_guards import AsleepHealth, BodyLimit, FreezeGcAfterWake, RetryAfter, ScrubErrors
+from connector import CheckpointError, FailureKind, TransferFailure
+from sglang_ext.http_guards import AsleepHealth, FreezeGcAfterWake, RetryAfter, ScrubErrors
 from sglang_ext.prompt_bounds import too_long
-from worker_infra.http import (
-    BootstrapAllowList,
-    HTTPError,
-    asleep_error,
-    check_host,
-    check_room,
-    encoder_host,
-    error_body,
-    error_reply,
-    sleep_params,
-    wake_params,
-)
+from worker_infra.asgi import BodyLimit
+from worker_infra.http import HTTPError, add_sleep_routes, answer_our_errors, asleep_error, check_room
+from worker_infra.trust import BootstrapAllowList, check_host, encoder_host
 
 if TYPE_CHECKING:
     from language_side.worker import LanguageWorker
@@ -341,79 +330,76 @@ def _start_receiver(ours: argparse.Namespace, manager):
     return receiver
 
 
+class SGLangSleep:
+    """Sleep and wake of SGLang's server and its connector, for the sleep routes our own workers
+    have too (``worker_infra.http.add_sleep_routes``).
+
+    A sleep is SGLang's ``pause_generation``, which the hook above extends to the connector: level 1
+    pauses ``in_place`` (running requests keep their KV and go on exactly where they stood), level
+    2 ``retract``s them (KV freed, recomputed from prompt and tokens on continue) and releases
+    SGLang's memory occupation (KV cache and weights where its memory saver can; on CPU its cache
+    is flushed); ``preserve_state=false`` aborts every request (``abort``). A wake-up is the reverse."""
+
+    def __init__(self, manager, worker: LanguageWorker, freeze_pending: asyncio.Event) -> None:  # noqa: ANN001
+        self.manager, self.worker = manager, worker
+        self.freeze_pending = freeze_pending  # SGLang's /freeze_gc came while asleep (FreezeGcAfterWake)
+        self.released = False  # SGLang's memory occupation, by a level-2 sleep
+
+    def is_sleeping(self) -> bool:
+        return self.worker.is_sleeping()
+
+    async def sleep(self, level: int, preserve_state: bool) -> dict:
+        from sglang.srt.managers.io_struct import (
+            ContinueGenerationReqInput,
+            PauseGenerationReqInput,
+            ReleaseMemoryOccupationReqInput,
+        )
+
+        if self.worker.is_sleeping():
+            return {"changed": False, "is_sleeping": True}
+        try:
+            mode = ("in_place" if level == 1 else "retract") if preserve_state else "abort"
+            await self.manager.pause_generation(PauseGenerationReqInput(mode=mode))
+        except (HTTPError, TransferFailure, CheckpointError):  # the connector stayed awake
+            await self.manager.continue_generation(ContinueGenerationReqInput())
+            raise
+        if level == 2 and not self.released:
+            await self.manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None)
+            self.released = True
+        return _here.last_sleep | {"level": level}
+
+    async def wake_up(self, discard_checkpoint: bool) -> dict:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput, ResumeMemoryOccupationReqInput
+
+        if self.released:
+            await self.manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None)
+            self.released = False
+        _here.discard_on_wake = discard_checkpoint  # read by the continue_generation hook
+        try:
+            await self.manager.continue_generation(ContinueGenerationReqInput())
+        finally:
+            _here.discard_on_wake = False
+        if self.freeze_pending.is_set():  # asked for while asleep (a boot from disk): the scheduler answers now
+            self.freeze_pending.clear()
+            await self.manager.freeze_gc()
+        return {"changed": True, "is_sleeping": self.worker.is_sleeping()}
+
+
 def _add_routes(manager, worker, dispatch) -> None:
     """Our sleep routes and the connector's state on SGLang's FastAPI app, with the same
-    parameters and errors as our own workers' (``worker_infra.http``).
-
-    ``/sleep?level=1|2&preserve_state=...`` is SGLang's ``pause_generation``, which the hook above
-    extends to the connector: level 1 pauses ``in_place`` (running requests keep their KV and go on
-    exactly where they stood), level 2 ``retract``s them (KV freed, recomputed from prompt and
-    tokens on continue) and releases SGLang's memory occupation (KV cache and weights where its
-    memory saver can; on CPU its cache is flushed); ``preserve_state=false`` aborts every request
-    (``abort``). ``/wake_up`` is the reverse."""
+    parameters and errors as our own workers' (``worker_infra.http``)."""
     from fastapi.responses import ORJSONResponse, Response
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
     from sglang.srt.entrypoints.http_server import app
-    from sglang.srt.managers.io_struct import (
-        ContinueGenerationReqInput,
-        PauseGenerationReqInput,
-        ReleaseMemoryOccupationReqInput,
-        ResumeMemoryOccupationReqInput,
-    )
     from sglang.srt.runtime_context import get_observability
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
-    from connector import CheckpointError
-
-    released = False  # SGLang's memory occupation, by a level-2 sleep
     freeze_pending = asyncio.Event()  # SGLang's /freeze_gc came while asleep (FreezeGcAfterWake)
-
-    def refused(exc: Exception) -> ORJSONResponse:
-        status, message, headers, kind = error_reply(exc)
-        return ORJSONResponse(error_body(status, message, kind), status_code=status, headers=headers)
-
-    async def sleep(request: Request):
-        nonlocal released
-        try:
-            level, preserve = sleep_params(request.query_params)
-        except HTTPError as exc:
-            return refused(exc)
-        if worker.is_sleeping():
-            return ORJSONResponse({"changed": False, "is_sleeping": True})
-        try:
-            mode = ("in_place" if level == 1 else "retract") if preserve else "abort"
-            await manager.pause_generation(PauseGenerationReqInput(mode=mode))
-        except (HTTPError, TransferFailure, CheckpointError) as exc:  # the connector stayed awake
-            await manager.continue_generation(ContinueGenerationReqInput())
-            return refused(exc)
-        if level == 2 and not released:
-            await manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None)
-            released = True
-        return ORJSONResponse(_here.last_sleep | {"level": level})
-
-    async def wake_up(request: Request):
-        nonlocal released
-        if released:
-            await manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None)
-            released = False
-        _here.discard_on_wake = wake_params(request.query_params)  # read by the continue_generation hook
-        try:
-            await manager.continue_generation(ContinueGenerationReqInput())
-        except (HTTPError, TransferFailure, CheckpointError) as exc:
-            return refused(exc)
-        finally:
-            _here.discard_on_wake = False
-        if freeze_pending.is_set():  # asked for while asleep (a boot from disk): the scheduler answers now
-            freeze_pending.clear()
-            await manager.freeze_gc()
-        return ORJSONResponse({"changed": True, "is_sleeping": worker.is_sleeping()})
+    sleeper = SGLangSleep(manager, worker, freeze_pending)
 
     async def health():
         dispatch.watch()
         return ORJSONResponse(worker.health())
-
-    async def is_sleeping():
-        return ORJSONResponse({"is_sleeping": worker.is_sleeping()})
 
     async def metrics():
         """SGLang's own metrics (with ``--enable-metrics``) and the connector's ``epd_*`` ones;
@@ -430,14 +416,14 @@ def _add_routes(manager, worker, dispatch) -> None:
     app.add_middleware(FreezeGcAfterWake, connector=worker, pending=freeze_pending)
     app.add_middleware(RetryAfter, connector=worker)
     app.add_middleware(ScrubErrors)
-    app.add_middleware(BodyLimit, max_bytes=_here.ours.max_request_body_bytes)  # outermost: before anything reads
+    app.add_middleware(BodyLimit, max_bytes=_here.ours.max_request_body_bytes,
+                       flag="--max-request-body-bytes")  # outermost: before anything reads
     _admin_only(app)
-    # SGLang's API-key middleware (--admin-api-key, else --api-key) guards them as it does its own
-    # /pause_generation; with no key configured they are open, as SGLang's are
-    app.add_api_route("/sleep", auth_level(AuthLevel.ADMIN_OPTIONAL)(sleep), methods=["POST"])
-    app.add_api_route("/wake_up", auth_level(AuthLevel.ADMIN_OPTIONAL)(wake_up), methods=["POST"])
+    answer_our_errors(app)
+    # SGLang's API-key middleware (--admin-api-key, else --api-key) guards sleep and wake as it does
+    # its own /pause_generation; with no key configured they are open, as SGLang's are
+    add_sleep_routes(app, sleeper, auth_level(AuthLevel.ADMIN_OPTIONAL))
     app.add_api_route("/epd/health", health, methods=["GET"])
-    app.add_api_route("/is_sleeping", is_sleeping, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
 
 

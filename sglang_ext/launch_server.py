@@ -25,7 +25,7 @@ from sglang_ext.args import add_worker_args, connector_config, global_cache, res
 from worker_infra.heap import fix_mmap_threshold
 
 if TYPE_CHECKING:
-    from aiohttp import web
+    from fastapi import FastAPI
 
     from connector import ConnectorConfig
     from embedding_side.worker import EncodeWorker
@@ -41,7 +41,7 @@ class Built:
     addresses, model and encoders."""
 
     worker: EncodeWorker | LanguageWorker
-    app: web.Application
+    app: FastAPI
     config: ConnectorConfig
     describe: str
 
@@ -79,7 +79,7 @@ def build(args: argparse.Namespace, encoder=None) -> Built:  # noqa: ANN001 - a 
 
     from language_side.transfer_only_api import build_app
     from language_side.worker import LanguageWorker
-    from worker_infra.http import BootstrapAllowList
+    from worker_infra.trust import BootstrapAllowList
 
     if args.encoder_urls:
         raise SystemExit("error: --encoder-urls needs the language model (--model-path): a transfer-only receiver "

@@ -16,11 +16,13 @@ from fastapi.responses import JSONResponse
 
 from connector.failures import FailureKind
 from connector.peer_health import FailingPeers
-from sglang_ext.http_guards import AsleepHealth, BodyLimit, FreezeGcAfterWake, ScrubErrors, scrub
+from sglang_ext.http_guards import AsleepHealth, FreezeGcAfterWake, ScrubErrors, scrub
 from sglang_ext.language_flags import cpu_kv_tokens, sglang_argv
 from sglang_ext.prompt_bounds import MAX_BATCH_CHARS, too_long
 from sglang_ext.redact import redact_command_line, redact_fields
-from worker_infra.http import BootstrapAllowList, HTTPError
+from worker_infra.asgi import BodyLimit
+from worker_infra.http import HTTPError
+from worker_infra.trust import BootstrapAllowList
 
 pytestmark = pytest.mark.fast
 
@@ -40,7 +42,7 @@ def guarded_app() -> FastAPI:
                             status_code=500)
 
     app.add_middleware(ScrubErrors)
-    app.add_middleware(BodyLimit, max_bytes=LIMIT)
+    app.add_middleware(BodyLimit, max_bytes=LIMIT, flag="--max-request-body-bytes")
     return app
 
 
