@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from sglang_stack import metric
 from test_workers import Pair, assert_pools_free
 from transfer_large_image import make_image, run_request
 
@@ -49,13 +50,6 @@ def start_pairs(pair: Pair, paths: list[str], pool: ThreadPoolExecutor, count: i
     return futures
 
 
-def encoded(encode: WorkerProcess) -> float:
-    """Items the encode worker has run its encoder on."""
-    text = requests.get(f"{encode.url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith('epd_encoder_items_total{source="encoded"}'))
-
-
 def test_an_encoder_falling_asleep_with_8_pairs_in_flight_leaves_no_language_room_hanging(paths, model) -> None:
     pair = Pair(model_path=model)
     try:
@@ -65,7 +59,7 @@ def test_an_encoder_falling_asleep_with_8_pairs_in_flight_leaves_no_language_roo
             # (or done before it); one before it is refused. A fixed delay missed every forward pass
             # on a loaded machine.
             deadline = time.monotonic() + 60
-            while not encoded(pair.encode):
+            while not metric(pair.encode, 'epd_encoder_items_total{source="encoded"}'):
                 assert time.monotonic() < deadline, "no forward pass in 60 s"
                 time.sleep(0.02)
             reply = requests.post(f"{pair.encode.url}/sleep", params={"preserve_state": "true"}, timeout=60)
