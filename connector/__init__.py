@@ -28,7 +28,7 @@ _EXPORTS = {
     "AUX_INTS": "buffers", "DTYPE_SIZES": "buffers", "BufferPool": "buffers", "Embedding": "buffers",
     "rows_sha256": "buffers",
     "BlockAllocator": "allocator", "pool_blocks": "allocator",
-    "BootstrapServer": "bootstrap", "RankRoute": "bootstrap",
+    "BootstrapServer": "bootstrap", "BootstrapPortInUse": "bootstrap", "RankRoute": "bootstrap",
     "CheckpointError": "checkpoint",
     "SETTINGS": "config", "ConnectorConfig": "config", "Setting": "config",
     "FailureKind": "failures", "TransferFailure": "failures",

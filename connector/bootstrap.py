@@ -21,6 +21,7 @@ and the pool addresses they register, at another host. ``/health`` stays open.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import threading
 import uuid
@@ -51,6 +52,10 @@ class RankRoute:
         return self.incarnation is not None
 
 
+
+class BootstrapPortInUse(RuntimeError):
+    """The bootstrap port is another process's (another encode worker on the same host)."""
+
 class BootstrapServer:
     """aiohttp server in a daemon thread with its own event loop.
 
@@ -74,7 +79,9 @@ class BootstrapServer:
         self._thread.start()
         started.wait()
         if self._error is not None:
-            raise RuntimeError(f"bootstrap server could not listen on {host}:{port}: {self._error}") from self._error
+            taken = getattr(self._error, "errno", None) == errno.EADDRINUSE
+            raise (BootstrapPortInUse if taken else RuntimeError)(
+                f"bootstrap server could not listen on {host}:{port}: {self._error}") from self._error
 
     @property
     def url(self) -> str:
@@ -170,6 +177,18 @@ def fetch_route(bootstrap_addr: str, room: int, engine_rank: int = 0, timeout: f
         resp.raise_for_status()
         body = resp.json()
         return RankRoute(str(body["rank_ip"]), int(body["rank_port"]), resp.headers.get(INCARNATION_HEADER))
+    except requests.HTTPError as exc:
+        if exc.response is not None and exc.response.status_code == 401:
+            # an encoder of this deployment with another secret (or this worker without one): said
+            # as such to the client and the operator, a misconfiguration to fix on one side
+            why = ("refused this worker's control secret (401): set the same --control-secret / "
+                   "SGLANG_EMBEDDING_CONTROL_SECRET on every worker" if secret else
+                   "needs a control secret (401) and this worker has none: set --control-secret / "
+                   "SGLANG_EMBEDDING_CONTROL_SECRET as on the encoders")
+            log.warning("route lookup at %s: %s", bootstrap_addr, why)
+            raise ConnectionError(f"encode bootstrap {bootstrap_addr} {why}") from None
+        log.warning("route lookup at %s failed: %s", bootstrap_addr, exc)
+        raise ConnectionError(f"encode bootstrap {bootstrap_addr} unreachable or gave no valid route") from None
     except (requests.RequestException, ValueError, KeyError) as exc:
         # The client that named this address learns only that it gave no route: what the remote
         # end answered (a status, a banner, refused or silent) stays in this worker's log.

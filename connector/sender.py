@@ -376,6 +376,7 @@ class EmbeddingSenderManager:
             case ev.Delivered(failure):
                 answer = self._answers[r.room]
                 if failure is None:
+                    log.info("room %d delivered", r.room)
                     answer.delivered.set_result(None)
                 else:
                     answer.delivered.set_exception(failure)

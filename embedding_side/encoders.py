@@ -61,6 +61,21 @@ def settings_fingerprint(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def tensors_digest(named_tensors) -> str:
+    """SHA-256 of ``(name, tensor)`` pairs as loaded: each name, dtype, shape and the bytes, in
+    name order. What a model computes with, by content: a copy of a checkpoint in another folder
+    (or a hub cache) digests the same, two checkpoints that differ in one weight do not (about
+    0.8 s for a 7B model's 1.35 GB vision tower on one core)."""
+    import torch  # only where a model is
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named_tensors, key=lambda pair: pair[0]):
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}\n".encode())
+        digest.update(memoryview(flat.view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
 # (height, width) -> the resized (height, width): an encoder's ``resize``
 Resize = Callable[[int, int], tuple[int, int]]
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
+from pydantic import Field
 
 from embedding_side.worker import EncodeWorker
+from worker_infra.embedding_store import MAX_CACHE_SALT_CHARS
 from worker_infra.http import JSON, StrictBody, check_room, read_body, worker_app
 
 # A body holds its images as data: URIs: room for what a language server takes in one request
@@ -23,6 +25,8 @@ class EncodeIn(StrictBody):
     audios: list = []
     wait_for_delivery: bool = True
     text: str | None = None  # the prompt, sent along by some routers; not used here
+    # SGLang's field: entries of the cluster's cache are kept apart per salt (a tenant's own)
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
 
 
 def build_app(worker: EncodeWorker, admin_api_key: str | None = None) -> FastAPI:
@@ -30,7 +34,7 @@ def build_app(worker: EncodeWorker, admin_api_key: str | None = None) -> FastAPI
         body = await read_body(request, EncodeIn)
         room = check_room(body.bootstrap_room)
         return JSON(await worker.encode(body.rid, room, body.images, body.wait_for_delivery, body.videos,
-                                        body.audios))
+                                        body.audios, body.cache_salt))
 
     app = worker_app(worker, MAX_BODY_BYTES, admin_api_key)
     app.add_api_route("/encode", encode, methods=["POST"])

@@ -85,7 +85,7 @@ class MediaPolicy:
 
 def describe(ref: str) -> str:
     """A short, safe name for an input in error messages."""
-    return ref[:40] + "..." if ref.startswith("data:") else ref[:200]
+    return ref[:40] + "..." if is_data_uri(ref) else ref[:200]
 
 
 def load_image(ref: str, policy: MediaPolicy) -> Image.Image:
@@ -140,11 +140,16 @@ def _scheme(ref: str) -> str:
     """``ref``'s URL scheme, lower case ("" for a path), read as ``urlsplit`` reads it but without
     it: ``urlsplit`` keeps its last 128 arguments and results, which for ``data:`` URIs of images
     kept up to 128 decoded-size copies of what clients sent."""
-    if "://" not in ref and not ref.startswith("data:"):
+    if "://" not in ref and not is_data_uri(ref):
         return ""
     head, colon, _ = ref[:MAX_SCHEME_CHARS + 1].partition(":")
     return head.lower() if colon and head[:1].isascii() and head[:1].isalpha() and \
         all(c.isascii() and (c.isalnum() or c in "+-.") for c in head) else ""
+
+
+def is_data_uri(ref: str) -> bool:
+    """Whether ``ref`` is a ``data:`` URI (a scheme is case-insensitive: ``DATA:`` is one too)."""
+    return ref[:5].lower() == "data:"
 
 
 def is_remote(ref: object) -> bool:
@@ -282,7 +287,7 @@ def _get(url: str, connect_to: str, seconds: float) -> Iterator[urllib3.BaseHTTP
 
 def _data_uri(ref: str, max_bytes: int, kind: str = "image") -> bytes:
     header, sep, payload = ref.partition(",")
-    if not sep or not header.endswith(";base64"):
+    if not sep or not header.lower().endswith(";base64"):
         raise ImageInputError(f"{describe(ref)}: data URI must be data:{kind}/...;base64,<payload>")
     if len(payload) * 3 // 4 > max_bytes:
         raise ImageInputError(f"{describe(ref)}: larger than the {max_bytes}-byte limit")

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
+import enum
 import logging
 import re
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -45,7 +46,7 @@ from PIL import Image
 
 from connector import FailureKind, TransferFailure
 from embedding_side.audio import AudioClip
-from embedding_side.encoders import EncodedImages, check_shape, settings_fingerprint
+from embedding_side.encoders import EncodedImages, check_shape, settings_fingerprint, tensors_digest
 from embedding_side.videos import VideoClip, VideoSampling
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,16 @@ class SGLangEncoder:
         self.modalities = ("image",) * (processor is not None) + ("video",) * takes_video + ("audio",) * takes_audio
         self.max_batch = self.scheduler.max_batch_size
         settings = [p.to_dict() for p in (processor, self._audio_processor) if p is not None]
+        started = time.monotonic()
+        model = self.encoder.model
         self._fingerprint = settings_fingerprint({
-            "encoder": self.name, "processor": settings, "mm_process_config": preprocessor.vision_config,
-            "dtype": str(self.dtype), "model": _model_files(Path(self.model_path))})
+            "encoder": self.name, "class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "config": _config_without_paths(config), "dtype": str(self.dtype),
+            "weights": tensors_digest(model.state_dict().items()),
+            "processor": settings, "mm_process_config": preprocessor.vision_config,
+            "preprocessing": preprocessing_settings()})
+        log.info("the encoder's fingerprint (its weights by content, config and preprocessing): %s, in %.1f s",
+                 self._fingerprint, time.monotonic() - started)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name="sglang-encoder", daemon=True)
         self._thread.start()
@@ -109,8 +117,9 @@ class SGLangEncoder:
         self._loop.run_forever()
 
     def fingerprint(self) -> str:
-        """What an embedding depends on besides the image: the processor's settings, SGLang's
-        ``--mm-process-config``, the model's config and weight files (name, size, mtime), dtype."""
+        """What an embedding depends on besides the image: the loaded weights by content, the
+        model's class and config, dtype, the processor's settings, SGLang's ``--mm-process-config``
+        and the preprocessing settings its modules read (from the environment too)."""
         return self._fingerprint
 
     def resize(self, height: int, width: int) -> tuple[int, int]:
@@ -310,8 +319,37 @@ def _resize_rule(model_type: str, factor: int, low: int, high: int, max_pixels: 
     return lambda h, w: smart_resize(h, w, factor=factor, min_pixels=low, max_pixels=high)
 
 
-def _model_files(folder: Path) -> list:
-    """The checkpoint's config (its hash) and weight files (name, size, mtime)."""
-    config = folder / "config.json"
-    weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.glob("*.safetensors"))
-    return [hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None, weights]
+# SGLang's media preprocessing: the modules whose constants it reads (some set from the environment
+# at import: SGLANG_IMAGE_MAX_PIXELS, SGLANG_RESIZE_RESAMPLE, VIDEO_MAX_PIXELS), and the settings it
+# reads at call time
+PREPROCESSING_MODULES = ("sglang.srt.multimodal.processors.qwen_vl", "sglang.srt.multimodal.processors.glm4v",
+                         "sglang.srt.multimodal.processors.minimax_m3_vl")
+PREPROCESSING_ENVS = ("SGLANG_IMAGE_MAX_PIXELS", "SGLANG_RESIZE_RESAMPLE", "SGLANG_FORCE_CPU_IMAGE_PREPROCESSING",
+                      "SGLANG_ENCODER_IMAGE_PROCESSOR_USE_GPU", "SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE")
+# a config's entries that name where it was read from, not what it computes
+PATH_KEYS = frozenset({"_name_or_path", "name_or_path", "_commit_hash"})
+
+
+def preprocessing_settings() -> dict:
+    """Every setting SGLang's preprocessing of images, videos and audio takes besides the
+    processor's own: the upper-case constants of its modules and its environment settings."""
+    import importlib
+
+    from sglang.srt.environ import envs
+
+    found: dict = {name: str(getattr(envs, name).get()) for name in PREPROCESSING_ENVS}
+    for name in PREPROCESSING_MODULES:
+        module = importlib.import_module(name)
+        found[name] = {key: value for key, value in vars(module).items()
+                       if key.isupper() and isinstance(value, int | float | str | bool | type(None) | enum.Enum)}
+    return found
+
+
+def _config_without_paths(config) -> dict:
+    """The model's config as it computes (its sub-configs included), without where it was read from."""
+    def strip(value):  # noqa: ANN001, ANN202
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in PATH_KEYS}
+        return value
+
+    return strip(config.to_dict())

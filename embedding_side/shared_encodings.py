@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from embedding_side.encoders import EncodedImages
-from worker_infra.embedding_store import EmbeddingStore, StoredMedia, media_key
+from worker_infra.embedding_store import EmbeddingStore, StoredMedia, media_key, salted
 
 
 def rows_of(grid: tuple[int, ...], merge_size: int) -> int:
@@ -53,8 +53,8 @@ class SharedEncodings:
         self._fingerprint = fingerprint
         self._claims: dict[str, concurrent.futures.Future] = {}  # key -> its leader's item (event loop only)
 
-    def keys(self, modality: str, digests: list[str]) -> list[str]:
-        fingerprint = self._fingerprint()
+    def keys(self, modality: str, digests: list[str], cache_salt: str | None = None) -> list[str]:
+        fingerprint = salted(self._fingerprint(), cache_salt)
         return [media_key(modality, digest, fingerprint) for digest in digests]
 
     async def reuse(self, keys: list[str], wait: Callable[[concurrent.futures.Future], Awaitable[object]]

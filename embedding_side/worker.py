@@ -44,7 +44,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -176,10 +175,11 @@ class EncodeWorker:
     # ---- one request -----------------------------------------------------------------------------
 
     async def encode(self, rid: str, room: int, image_refs: list, wait_for_delivery: object = True,
-                     video_refs: list | None = None, audio_refs: list | None = None) -> dict:
+                     video_refs: list | None = None, audio_refs: list | None = None,
+                     cache_salt: str | None = None) -> dict:
         """Encode one request (its images, videos or audio clips: one kind) and deliver it;
         returns the HTTP reply body or raises :class:`TransferFailure` (its kind gives the HTTP
-        status)."""
+        status). ``cache_salt``: the request's tenant in the cluster's cache (SGLang's field)."""
         start = time.monotonic()
         given = {kind: refs for kind, refs in (("image", image_refs), ("video", video_refs), ("audio", audio_refs))
                  if refs}
@@ -214,7 +214,7 @@ class EncodeWorker:
             except ValueError as exc:
                 raise TransferFailure(FailureKind.CONFLICT, str(exc)) from None
             try:
-                reply, encoded_at = await self._encode(rid, sender, modality, refs)
+                reply, encoded_at = await self._encode(rid, sender, modality, refs, cache_salt)
                 if wait_for_delivery:
                     await wait_for_future(sender.delivered, lambda: None)
                     reply["send_ms"] = round((time.monotonic() - encoded_at) * 1e3, 3)  # to the last round's ack
@@ -262,7 +262,8 @@ class EncodeWorker:
             with contextlib.suppress(RuntimeError):  # closed (the process ends): nothing to give back
                 self._loaders.submit(give_back_free_pages)
 
-    async def _encode(self, rid: str, sender: EmbeddingSender, modality: str, refs: list[str]) -> tuple[dict, float]:
+    async def _encode(self, rid: str, sender: EmbeddingSender, modality: str, refs: list[str],
+                      cache_salt: str | None = None) -> tuple[dict, float]:
         """Steps 2 to 5 of the module docstring; returns the reply body and when the embedding
         was ready (``time.monotonic()``)."""
         loop = asyncio.get_running_loop()
@@ -298,7 +299,7 @@ class EncodeWorker:
             f"no host memory for the embedding within {self.config.queue_timeout:g}s ({self.sender.staging.used} "
             f"of {self.config.staging_bytes} bytes staged)"))
         started = time.monotonic()
-        keys = self.shared.keys(modality, digests) if self.shared is not None else []
+        keys = self.shared.keys(modality, digests, cache_salt) if self.shared is not None else []
         reused, claims = await self.shared.reuse(keys, lambda claim: _unless_failed(sender, claim)) if keys else ({}, {})
         todo = [i for i in range(len(items)) if i not in reused or not self._fits(reused[i], item_tokens[i], modality)]
         try:
@@ -526,11 +527,10 @@ class EncodeWorker:
         return rooms
 
     def _geometry(self) -> dict:
-        """What a checkpoint must agree on with this worker."""
-        model_path = getattr(self.encoder, "model_path", None)
+        """What a checkpoint must agree on with this worker: the encoder by what makes its rows
+        (weights by content, preprocessing), not by where its files lie or what names them."""
         return {"block_size": self.config.block_size, "hidden_size": self.config.hidden_size,
-                "dtype": self.config.dtype, "encoder": self.encoder.name,
-                "model_path": str(Path(model_path).resolve()) if model_path else None}
+                "dtype": self.config.dtype, "encoder": self.encoder.name, "fingerprint": self.encoder.fingerprint()}
 
     # ---- shutdown --------------------------------------------------------------------------------
 

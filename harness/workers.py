@@ -253,10 +253,30 @@ def smg_gateway(worker_urls: list[str], log_path: Path, host: str = "127.0.0.1",
                 prefix: tuple[str, ...] = ()) -> Iterator[str]:
     """smg in plain routing (round robin over ``worker_urls``), run with ``prefix`` (a simulated
     host's ``ip netns exec``), bound to ``bind`` or ``host``; its URL once it is ready."""
+    with _smg(["--worker-urls", *worker_urls, "--policy", "round_robin"], log_path, host, bind, prefix) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def smg_pd_router(prefills: list[tuple[str, int]], decodes: list[str], log_path: Path,
+                  host: str = "127.0.0.1", options: tuple[str, ...] = ()) -> Iterator[str]:
+    """smg as SGLang's PD router (``--pd-disaggregation``, unmodified): ``prefills`` as (URL, its
+    KV bootstrap port), ``decodes`` as URLs, then smg's ``options``; its URL once it is ready."""
+    routes = [arg for url, port in prefills for arg in ("--prefill", url, str(port))]
+    routes += [arg for url in decodes for arg in ("--decode", url)]
+    with _smg(["--pd-disaggregation", *routes, *options], log_path, host) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _smg(routing: list[str], log_path: Path, host: str, bind: str | None = None,
+         prefix: tuple[str, ...] = ()) -> Iterator[str]:
+    """``smg launch`` with ``routing``, its metrics on ``host`` too (else it binds 0.0.0.0:29000,
+    which a second router on the host then finds taken); its URL once ``/readiness`` says so."""
     port = free_port()
     with open(log_path, "w") as log:
-        router = subprocess.Popen([*prefix, str(Path(sys.executable).parent / "smg"), "launch", "--worker-urls",
-                                   *worker_urls, "--host", bind or host, "--port", str(port), "--policy", "round_robin",
+        router = subprocess.Popen([*prefix, str(Path(sys.executable).parent / "smg"), "launch", *routing,
+                                   "--host", bind or host, "--port", str(port), "--prometheus-host", bind or host,
                                    "--prometheus-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://{host}:{port}"
     try:
@@ -276,9 +296,9 @@ def smg_gateway(worker_urls: list[str], log_path: Path, host: str = "127.0.0.1",
 
 
 class MooncakeMaster:
-    """``mooncake_master`` (Mooncake Store's master: the cluster's embedding cache) on ``host``,
-    run with ``prefix`` (a simulated host's ``ip netns exec``), its RPC port picked; no HTTP
-    metadata server (the workers' store clients use P2P handshakes)."""
+    """``mooncake_master`` (Mooncake Store's master: the cluster's embedding cache) bound to ``host``
+    (its RPC and metrics servers both), run with ``prefix`` (a simulated host's ``ip netns exec``),
+    its ports picked; no HTTP metadata server (the workers' store clients use P2P handshakes)."""
 
     def __init__(self, log_path: Path, host: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> None:
         import mooncake
@@ -287,7 +307,8 @@ class MooncakeMaster:
         self.address = f"{host}:{self.port}"
         with open(log_path, "w") as log:
             self.process = subprocess.Popen([*prefix, str(Path(mooncake.__file__).parent / "mooncake_master"),
-                                             f"--rpc_port={self.port}", f"--metrics_port={free_port()}",
+                                             f"--rpc_address={host}", f"--rpc_port={self.port}",
+                                             f"--metrics_host={host}", f"--metrics_port={free_port()}",
                                              "--logtostderr=true", "--minloglevel=1"], stdout=log,
                                             stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30

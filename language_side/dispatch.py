@@ -53,13 +53,14 @@ from language_side.embedding_cache import EmbeddingCache, Grid, cache_key, image
 from language_side.layout import MERGE, LayoutError, grids_from_positions, image_token_count
 from language_side.transfer_meta import TransferMeta
 from language_side.worker import LanguageWorker
-from worker_infra.embedding_store import EmbeddingStore, StoredMedia, media_key
+from worker_infra.embedding_store import EmbeddingStore, StoredMedia, media_key, salted
 from worker_infra.futures import wait_for_future
 from worker_infra.trust import encoder_host
 
 log = logging.getLogger(__name__)
 
 PROBE_INTERVAL = 1.0  # seconds between /health probes of an encoder taken out of rotation
+PROBE_TIMEOUT_S = 2.0  # a /health probe's whole answer; later is no answer
 WATCH_INTERVAL = 2.0  # seconds between the background /health probes of every encoder
 ENCODER_MAX_IMAGES = 16  # images per /encode an encoder takes until its /health says otherwise
 FIRST_ESTIMATE = 1024  # image tokens assumed for an image before any encoder has answered
@@ -128,6 +129,8 @@ class EncoderDispatch:
         self.parts = Counter("epd_encoder_parts", "Image parts sent to an encoder, by outcome", ["encoder", "outcome"],
                              registry=r)
         self.retries = Counter("epd_encoder_retries", "Parts sent again to another encoder", registry=r)
+        self.rotation_exits = Counter("epd_encoder_rotation_exits", "Times an encoder left the rotation (a part "
+                                      "failed there, or its /health stopped answering)", ["encoder"], registry=r)
         Gauge("epd_encoders_healthy", "Encoders taking new parts", registry=r).set_function(
             lambda: sum(e.healthy for e in self.encoders))
         outstanding = Gauge("epd_encoder_outstanding_tokens", "Estimated image tokens in flight per encoder",
@@ -162,12 +165,18 @@ class EncoderDispatch:
     async def _watch_forever(self) -> None:
         while True:
             answers = await asyncio.gather(*(self._probe(enc) for enc in self.encoders))
-            now = time.monotonic()
             for enc, healthy in zip(self.encoders, answers, strict=True):
                 if healthy != enc.healthy:
                     log.warning("encoder %s %s its /health", enc.url, "answers" if healthy else "does not answer")
-                enc.healthy, enc.next_probe = healthy, now + PROBE_INTERVAL
+                self._set_healthy(enc, healthy)
             await asyncio.sleep(WATCH_INTERVAL)
+
+    def _set_healthy(self, enc: Encoder, healthy: bool) -> None:
+        """Whether ``enc`` takes new parts; out of rotation, it is probed again after
+        :data:`PROBE_INTERVAL` (each exit counted in ``epd_encoder_rotation_exits_total``)."""
+        if enc.healthy and not healthy:
+            self.rotation_exits.labels(enc.url).inc()
+        enc.healthy, enc.next_probe = healthy, time.monotonic() + PROBE_INTERVAL
 
     def render_metrics(self) -> bytes:
         return generate_latest(self.registry)
@@ -184,13 +193,13 @@ class EncoderDispatch:
         return Embedded(rows, grids_from_positions(positions), meta=TransferMeta.received(
             transfer, encoders=[addr], sha256=transfer["sha256"]), rows_sha256=transfer["sha256"])
 
-    async def embed_media(self, rid: str, refs: list[str], modality: str) -> Embedded:
-        """Videos' or audio clips' embeddings (``modality``), encoded and received, not cached;
-        failures as :meth:`embed`'s."""
+    async def embed_media(self, rid: str, refs: list[str], modality: str, cache_salt: str | None = None) -> Embedded:
+        """Videos' or audio clips' embeddings (``modality``), encoded and received, not cached here
+        (the encoders' cluster cache keeps them under ``cache_salt``); failures as :meth:`embed`'s."""
         self._check_encoders()
         self.watch()
         digests = await asyncio.to_thread(lambda: [image_digest(s) for s in refs])
-        return await self._dispatch(rid, refs, modality, digests)
+        return await self._dispatch(rid, refs, modality, digests, cache_salt)
 
     def _check_encoders(self) -> None:
         if not self.encoders:
@@ -203,15 +212,16 @@ class EncoderDispatch:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
 
-    async def embed(self, rid: str, images: list[str]) -> Embedded:
-        """``images``' embeddings, from the caches (this worker's, then the cluster's) or encoded
-        and received; TransferFailure (its kind says the status) or :class:`ImageRefused` when
-        they cannot be had."""
+    async def embed(self, rid: str, images: list[str], cache_salt: str | None = None) -> Embedded:
+        """``images``' embeddings, from the caches (this worker's, then the cluster's: entries of
+        ``cache_salt`` only) or encoded and received; TransferFailure (its kind says the status) or
+        :class:`ImageRefused` when they cannot be had."""
         self._check_encoders()
         self.watch()
         digests = await asyncio.to_thread(lambda: [image_digest(s) for s in images])
         cached = self.cache.budget or self.store is not None
         fingerprint = await self._fingerprint() if cached and any(digests) else None
+        fingerprint = salted(fingerprint, cache_salt) if fingerprint is not None else None
         found: dict[int, tuple[np.ndarray, Grid]] = {}
         from_store = 0
         if fingerprint is not None:
@@ -230,13 +240,14 @@ class EncoderDispatch:
         missing = [i for i in range(len(images)) if i not in found]
         meta = TransferMeta(encode_ms=0.0)  # nothing encoded: every image from a cache
         if missing:
-            sent = await self._dispatch(rid, [images[i] for i in missing], "image", [digests[i] for i in missing])
+            sent = await self._dispatch(rid, [images[i] for i in missing], "image", [digests[i] for i in missing],
+                                        cache_salt)
             meta = sent.meta
             for i, rows, grid, made_by in zip(missing, split_rows(sent.rows, sent.grids), sent.grids,
                                               sent.fingerprints, strict=True):
                 found[i] = (rows, grid)
                 if digests[i] is not None and made_by is not None:  # keyed by what made it
-                    self.cache.put(cache_key(digests[i], made_by), rows, grid)
+                    self.cache.put(cache_key(digests[i], salted(made_by, cache_salt)), rows, grid)
         ordered = [found[i] for i in range(len(images))]
         # nothing from a cache: the parts' rows are already joined in order (no second copy)
         whole = len(missing) == len(images)
@@ -266,7 +277,7 @@ class EncoderDispatch:
         return next(iter(self.fingerprints.values()))
 
     async def _dispatch(self, rid: str, refs: list[str], modality: str = "image",
-                        digests: list[str | None] | None = None) -> Embedded:
+                        digests: list[str | None] | None = None, cache_salt: str | None = None) -> Embedded:
         """One part per healthy encoder (fewer parts than images), more when a part would pass
         the images an encoder takes per request (any encoder may get any part); one part per
         video. A part goes where its first item hashes (its digest, when known, else its
@@ -277,7 +288,7 @@ class EncoderDispatch:
         bounds = np.linspace(0, len(refs), count + 1).astype(int)
         affinity = [affinity_of(ref, digest) for ref, digest in zip(refs, digests or [None] * len(refs), strict=True)]
         siblings: set[str] = set()  # the encoders this request's parts went to: the next part goes elsewhere
-        tasks = [asyncio.ensure_future(self._part(rid, i, refs[a:b], modality, affinity[a], siblings))
+        tasks = [asyncio.ensure_future(self._part(rid, i, refs[a:b], modality, affinity[a], siblings, cache_salt))
                  for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
         try:
             parts = await asyncio.gather(*tasks)
@@ -295,7 +306,8 @@ class EncoderDispatch:
                         rows_sha256=parts[0].rows_sha256 if len(parts) == 1 else None)
 
     async def _part(self, rid: str, index: int, images: list[str], modality: str = "image",
-                    affinity: str | None = None, siblings: set[str] | None = None) -> Embedded:
+                    affinity: str | None = None, siblings: set[str] | None = None,
+                    cache_salt: str | None = None) -> Embedded:
         tried: set[str] = set()
         last: _EncoderFault | None = None
         only_busy = True  # every encoder tried answered 429/503 (over its queue, or asleep)
@@ -310,7 +322,7 @@ class EncoderDispatch:
             enc.outstanding += estimate
             part_rid = f"{rid}/{'part' if modality == 'image' else modality}{index}.{attempt}"
             try:
-                result = await self._encode_and_receive(enc, part_rid, images, modality)
+                result = await self._encode_and_receive(enc, part_rid, images, modality, cache_salt)
             except ImageRefused:
                 self.parts.labels(enc.url, "refused_image").inc()
                 raise
@@ -318,7 +330,7 @@ class EncoderDispatch:
                 last, only_busy = exc, only_busy and exc.busy
                 self.parts.labels(enc.url, "failed").inc()
                 self.retries.inc()
-                enc.healthy, enc.next_probe = False, time.monotonic() + PROBE_INTERVAL
+                self._set_healthy(enc, False)
                 log.warning("rid=%s: part %d on %s failed (attempt %d): %s", rid, index, enc.url, attempt, exc)
                 continue
             finally:
@@ -360,7 +372,7 @@ class EncoderDispatch:
         for enc in left:
             if not enc.healthy and (none_healthy or now >= enc.next_probe):
                 enc.next_probe = now + PROBE_INTERVAL
-                enc.healthy = await self._probe(enc)
+                self._set_healthy(enc, await self._probe(enc))
         healthy = [e for e in left if e.healthy]
         healthy = [e for e in healthy if e.url not in siblings] or healthy
         if not healthy:
@@ -375,7 +387,8 @@ class EncoderDispatch:
     async def _probe(self, enc: Encoder) -> bool:
         assert self._session is not None
         try:
-            async with self._session.get(f"{enc.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            async with self._session.get(f"{enc.url}/health",
+                                         timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
                 health = await resp.json()
             enc.bootstrap_port = int(health["bootstrap_port"])
             enc.max_images = int(health.get("max_images", ENCODER_MAX_IMAGES))  # a fork encoder does not say
@@ -386,7 +399,7 @@ class EncoderDispatch:
             return False
 
     async def _encode_and_receive(self, enc: Encoder, part_rid: str, images: list[str],
-                                  modality: str = "image") -> Embedded:
+                                  modality: str = "image", cache_salt: str | None = None) -> Embedded:
         """One part on one encoder. This worker's own refusals (asleep, over its queue, a rid in
         use, an embedding too large for its pool) pass through unchanged; the encoder's failures
         are :class:`_EncoderFault`; the encoder's 4xx about the images is :class:`ImageRefused`."""
@@ -396,7 +409,8 @@ class EncoderDispatch:
         room = secrets.randbits(62)
         future = self.worker.submit(part_rid, f"{enc.host}:{enc.bootstrap_port}", room)
         receiving = asyncio.ensure_future(wait_for_future(future, lambda: None))
-        encoding = asyncio.ensure_future(self._post_encode(enc, part_rid, room, {f"{modality}s": images}))
+        media = {f"{modality}s": images, **({"cache_salt": cache_salt} if cache_salt else {})}
+        encoding = asyncio.ensure_future(self._post_encode(enc, part_rid, room, media))
         try:
             # Whichever side fails first decides: a room this worker saw fail (encoder declared
             # dead, init refused, room aborted) does not wait for that encoder's /encode to time
@@ -451,7 +465,7 @@ class EncoderDispatch:
             raise _EncoderFault(f"encoder {enc.url}: {exc}") from None
 
     async def _post_encode(self, enc: Encoder, part_rid: str, room: int, media: dict) -> dict:
-        """``media``: ``{"images": [...]}`` or ``{"videos": [...]}``."""
+        """``media``: ``{"images": [...]}`` or ``{"videos": [...]}`` (and the request's ``cache_salt``)."""
         assert self._session is not None
         try:
             async with self._session.post(f"{enc.url}/encode", json={"rid": part_rid, "bootstrap_room": room,

@@ -27,10 +27,10 @@ Grid = tuple[int, int, int]
 def image_digest(source: str) -> str | None:
     """sha256 of an image source's bytes, or None when the worker does not hold them (a path or
     a URL) or the ``data:`` URI does not decode (the encoder will say why)."""
-    if not source.startswith("data:") or "," not in source:
+    if source[:5].lower() != "data:" or "," not in source:  # schemes are case-insensitive
         return None
     header, payload = source.split(",", 1)
-    if not header.endswith(";base64"):
+    if not header.lower().endswith(";base64"):
         return None
     try:
         data = base64.b64decode(payload, validate=True)

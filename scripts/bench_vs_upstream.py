@@ -130,10 +130,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
-def itl_under_prefill(url: str, kind: str, small_image: str, big_image: str, streams: int, quiet_s: float = 4.0) -> dict:
+def itl_under_prefill(url: str, kind: str, small_image: str, big_image: str, streams: int, quiet_s: float = 4.0,
+                      abort_urls: list[str] | None = None) -> dict:
     """``streams`` streams decoding (448x448, ignore_eos); the gaps between their tokens over a
     quiet window, then from sending a 4K request until its first token (its encode, transfer
-    and chunked prefill). Returns each window's p50/p99/max gap and the 4K request's TTFT."""
+    and chunked prefill). Returns each window's p50/p99/max gap and the 4K request's TTFT. The
+    streams end by ``/abort_request`` on ``abort_urls`` (the servers behind a router; ``url`` itself by default)."""
     arrivals: list[list[float]] = [[] for _ in range(streams)]
     done = threading.Event()
 
@@ -163,11 +165,12 @@ def itl_under_prefill(url: str, kind: str, small_image: str, big_image: str, str
     big = stream(url, chat_text([], "Describe it."), [big_image], f"{kind}-itl-4k")
     big_to = time.perf_counter()
     done.set()
-    for i in range(streams):
-        try:
-            requests.post(f"{url}/abort_request", json={"rid": f"{kind}-itl{i}"}, timeout=30)
-        except requests.RequestException:  # the server is gone (the memory limit ended it): its streams too
-            break
+    for server in abort_urls or [url]:
+        for i in range(streams):
+            try:
+                requests.post(f"{server}/abort_request", json={"rid": f"{kind}-itl{i}"}, timeout=30)
+            except requests.RequestException:  # the server is gone (the memory limit ended it): its streams too
+                break
     for t in threads:
         t.join(60)
 

@@ -1,4 +1,4 @@
-"""Write a complete seeded Qwen2.5-VL (or Qwen3-VL, or MiniMax-M3-VL: ``checkpoint_minimax.py``,
+"""Write a complete seeded Qwen2.5-VL (or Qwen3-VL, Qwen3.5, or MiniMax-M3-VL: ``checkpoint_minimax.py``,
 or Qwen2-Audio: ``checkpoint_qwen2_audio.py``) checkpoint folder: vision tower, language model, an offline tokenizer with the family's special
 tokens and a chat template, and the image (and video) preprocessor configs.
 
@@ -11,6 +11,7 @@ the media (:func:`decisive_language_model`), so that comparison can demand equal
 
     python scripts/make_checkpoint.py /tmp/qwen-seeded [--hidden-size 2048] [--seed 0] [--layers 28]
     python scripts/make_checkpoint.py /tmp/qwen3-seeded --family qwen3_vl
+    python scripts/make_checkpoint.py /tmp/qwen3.5-seeded --family qwen3_5   # or qwen3_5_moe
     python scripts/make_checkpoint.py /tmp/minimax-seeded --family minimax_m3_vl
     python scripts/make_checkpoint.py /tmp/qwen2-audio-seeded --family qwen2_audio
 """
@@ -112,6 +113,12 @@ def write_qwen3_vl_checkpoint(folder: str | Path, seed: int = 0) -> Path:
     model = Qwen3VLForConditionalGeneration(config).eval()
     decisive_language_model(model, "qwen3_vl", seed, 2)
     model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    write_qwen3_processors(folder)
+    return folder
+
+
+def write_qwen3_processors(folder: Path) -> None:
+    """Qwen3-VL's (and Qwen3.5's) image and video processor configs, for 16 px patches."""
     pixels = {"patch_size": QWEN3_PATCH, "merge_size": MERGE, "temporal_patch_size": TEMPORAL,
               "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_resize": True, "do_rescale": True,
               "do_normalize": True, "do_convert_rgb": True, "rescale_factor": 1 / 255}
@@ -122,6 +129,50 @@ def write_qwen3_vl_checkpoint(folder: str | Path, seed: int = 0) -> Path:
              "do_sample_frames": True, "size": {"shortest_edge": 4096, "longest_edge": 25165824}}
     (folder / "preprocessor_config.json").write_text(json.dumps(image, indent=1))
     (folder / "video_preprocessor_config.json").write_text(json.dumps(video, indent=1))
+
+
+# A small Qwen3.5: Qwen3-VL's tower without deepstack layers (as the hub's Qwen3.5 configs say:
+# ``deepstack_visual_indexes: []``), and SGLang's hybrid language model of two layers, one
+# linear-attention (gated delta net) and one full-attention; Qwen3.5-MoE's with 4 experts a layer.
+QWEN3_5_VISION = {**QWEN3_VISION, "deepstack_visual_indexes": []}
+QWEN3_5_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+               "shared_expert_intermediate_size": 128}
+
+
+def write_qwen3_5_checkpoint(folder: str | Path, seed: int = 0, moe: bool = False) -> Path:
+    """A seeded Qwen3.5 (``moe``: Qwen3.5-MoE) folder (see :data:`QWEN3_5_VISION`), with Qwen3-VL's
+    processor configs. Its language model is transformers' init: this family is checked by its
+    tower's rows (SGLang's CPU engine here does not run its linear-attention layers)."""
+    import torch
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(folder)
+    text = {"vocab_size": VOCAB_SIZE, "hidden_size": QWEN3_HIDDEN, "intermediate_size": 512, "num_hidden_layers": 2,
+            "layer_types": ["linear_attention", "full_attention"], "full_attention_interval": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 128, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 2, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+            "initializer_range": TEXT_INIT,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "mrope_section": [6, 5, 5],
+                                "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
+            **(QWEN3_5_MOE if moe else {})}
+    config_class, model_class = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if moe
+                                 else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
+    config = config_class(text_config=text, vision_config=QWEN3_5_VISION, image_token_id=ids["<|image_pad|>"],
+                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                          vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    write_qwen3_processors(folder)
     return folder
 
 
@@ -131,13 +182,14 @@ if __name__ == "__main__":
     ap.add_argument("--hidden-size", type=int, default=3584, help="language width = vision output (default 3584)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=1, help="language model layers (default 1)")
-    ap.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl", "minimax_m3_vl", "qwen2_audio"],
-                    default="qwen2_5_vl",
-                    help="qwen3_vl, minimax_m3_vl, qwen2_audio: a fixed small shape (--hidden-size and --layers do "
-                         "not apply)")
+    ap.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "minimax_m3_vl",
+                                         "qwen2_audio"], default="qwen2_5_vl",
+                    help="every family but qwen2_5_vl: a fixed small shape (--hidden-size and --layers do not apply)")
     args = ap.parse_args()
     if args.family == "qwen3_vl":
         print(write_qwen3_vl_checkpoint(args.folder, args.seed))
+    elif args.family in ("qwen3_5", "qwen3_5_moe"):
+        print(write_qwen3_5_checkpoint(args.folder, args.seed, moe=args.family == "qwen3_5_moe"))
     elif args.family == "minimax_m3_vl":
         print(write_minimax_m3_vl_checkpoint(args.folder, args.seed))
     elif args.family == "qwen2_audio":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ from embedding_side.images import (
     DEFAULT_MAX_VIDEO_PIXELS,
     DEFAULT_TIMEOUT_S,
 )
+from sglang_ext.model_files import checkpoint_file
 from worker_infra.heap import MAX_THRESHOLD
 
 if TYPE_CHECKING:
@@ -36,6 +36,9 @@ MAX_STORE_HEADER_BYTES = 1 << 20
 DEFAULT_MAX_IMAGES = 16  # per request, as an encoder takes per /encode
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 DEFAULT_MMAP_THRESHOLD = 1 << 20  # see worker_infra.heap
+# The encode worker's bootstrap port unless told: not one of SGLang's defaults (8998 its PD
+# prefill's KV bootstrap, 8997 its encoder-only), so an encoder and a prefill can share a host.
+ENCODE_BOOTSTRAP_PORT = 8996
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,8 @@ def shared_flags(d: ConnectorConfig | None = None) -> tuple[SharedFlag, ...]:
                                         "encoder's model (required for an encode worker), the language server's model "
                                         "(without it a language worker is a transfer-only receiver)")),
         SharedFlag("--disaggregation-bootstrap-port", dict(
-            type=int, default=8998, help="encode side: port of the bootstrap server (default %(default)s)")),
+            type=int, default=ENCODE_BOOTSTRAP_PORT, help="encode side: port of the bootstrap server (default "
+            "%(default)s; SGLang's PD prefill takes 8998 and its own encoder 8997)")),
         SharedFlag("--disaggregation-transfer-backend", dict(
             default="mooncake", choices=["mooncake"], help="transfer backend (default %(default)s)"), None),
         SharedFlag("--tp-size", dict(type=int, default=1, help="tensor parallel size (only 1 is supported)")),
@@ -233,7 +237,7 @@ def embedding_width(args: argparse.Namespace) -> int:
     if args.hidden_size is not None:
         return args.hidden_size
     if getattr(args, "model_path", None):
-        path = os.path.join(args.model_path, "config.json")
+        path = checkpoint_file(args.model_path, "config.json", getattr(args, "revision", None))
         try:
             with open(path, encoding="utf-8") as f:
                 config = json.load(f)

@@ -17,7 +17,9 @@ from sglang_ext.language_flags import flag_value, on_cpu, without_flags
 
 OUR_MODE_FLAGS = ("--disaggregation-mode", "--encoder-only", "--encoder-transfer-backend",
                   "--disaggregation-transfer-backend")
-SGLANG_FLAGS = ("--encoder-only", "--encoder-transfer-backend", "zmq_to_tokenizer")
+# An encoder runs only the tower: it has no radix cache, and saying so keeps SGLang's hybrid
+# families (Qwen3.5: linear-attention layers) from sizing one, whose state snapshots a CPU lacks.
+SGLANG_FLAGS = ("--encoder-only", "--encoder-transfer-backend", "zmq_to_tokenizer", "--disable-radix-cache")
 
 
 def encoder_argv(argv: list[str]) -> list[str]:

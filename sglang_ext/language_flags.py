@@ -33,6 +33,8 @@ import os
 import shutil
 import tempfile
 
+from sglang_ext.model_files import checkpoint_file
+
 # Our mode's flags that SGLang's language-only mode is given instead.
 OUR_MODE_FLAGS = ("--disaggregation-mode", "--language-only", "--encoder-transfer-backend")
 SGLANG_FLAGS = ("--language-only", "--encoder-transfer-backend", "zmq_to_tokenizer")
@@ -50,12 +52,17 @@ def sglang_argv(argv: list[str], ours: argparse.Namespace) -> list[str]:
     """``argv`` with our language mode written as SGLang's language-only mode, plus the defaults
     of the module docstring (each only where the user gave no value of their own)."""
     out = without_flags(argv, OUR_MODE_FLAGS, valueless=("--language-only",)) + list(SGLANG_FLAGS)
+    if ours.pd_role is not None:  # SGLang's PD prefill, fed by our connector
+        out += ["--disaggregation-mode", ours.pd_role]
     if on_cpu(argv):
-        if flag_value(argv, "--attention-backend") is None:
-            out += ["--attention-backend", "torch_native"]
-        if flag_value(argv, "--device") is None:
-            out += ["--device", "cpu"]
-        out += [flag for flag in CPU_SCHEDULING if flag not in argv]
+        out += cpu_backend(argv)
+        # a prefill holds no decode batch for a prefill chunk to carry along
+        scheduling = CPU_SCHEDULING if ours.pd_role is None else ("--sleep-on-idle",)
+        out += [flag for flag in scheduling if flag not in argv]
+        if ours.pd_role is not None:
+            from sglang_ext.pd import cpu_environment
+
+            cpu_environment(ours.pd_role)
     if ours.kv_budget is not None:  # kv_default's
         out += ["--max-total-tokens", str(ours.kv_budget.tokens)]
     if flag_value(argv, "--limit-mm-data-per-request") is None:
@@ -63,6 +70,16 @@ def sglang_argv(argv: list[str], ours: argparse.Namespace) -> list[str]:
         out += ["--limit-mm-data-per-request", json.dumps({"image": cap, "video": cap, "audio": cap})]
     if starts_asleep(ours) and "--skip-server-warmup" not in argv:
         out.append("--skip-server-warmup")
+    return out
+
+
+def cpu_backend(argv: list[str]) -> list[str]:
+    """The portable attention backend and the CPU device, each where ``argv`` names none."""
+    out = []
+    if flag_value(argv, "--attention-backend") is None:
+        out += ["--attention-backend", "torch_native"]
+    if flag_value(argv, "--device") is None:
+        out += ["--device", "cpu"]
     return out
 
 
@@ -106,7 +123,7 @@ def cpu_kv_tokens(model_path: str, memory: int | None = None) -> KVBudget:
     """The KV pool for ``model_path``'s language model on a CPU: the smaller of what fits in
     1/8 of the machine's memory (its cgroup limit, if lower) and 4 context lengths.
     Bytes per token = 2 (K and V) x layers x KV heads x head dim x dtype size."""
-    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+    with open(checkpoint_file(model_path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     text = config.get("text_config") or config
     layers = text["num_hidden_layers"]

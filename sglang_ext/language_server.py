@@ -190,7 +190,9 @@ def around_generate_request(original, manager, obj, *args, **kwargs):
         stream = _refused(FailureKind.BAD_REQUEST, why)
     else:
         try:
-            if name_room(obj, _here.allowed, _here.receiver.room_marker) and request is not None:
+            # on a PD prefill, bootstrap_* name the prefill's own KV bootstrap for its decode (SGLang's)
+            if (_here.ours.pd_role is None and name_room(obj, _here.allowed, _here.receiver.room_marker)
+                    and request is not None):
                 from sglang_ext.mm_receiver import CLIENT_ATTRIBUTE
 
                 setattr(obj, CLIENT_ATTRIBUTE, request)  # its room ends if the client goes away

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sglang_ext.args import add_worker_args, connector_config, global_cache, resolve_mode
+from sglang_ext.args import ENCODE_BOOTSTRAP_PORT, add_worker_args, connector_config, global_cache, resolve_mode
 from worker_infra.heap import fix_mmap_threshold
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ def build(args: argparse.Namespace, encoder=None) -> Built:  # noqa: ANN001 - a 
     except ValueError as exc:
         raise SystemExit(f"invalid configuration: {exc}") from None
     if args.disaggregation_mode == "encode":
+        from connector import BootstrapPortInUse
         from embedding_side.http_api import build_app
         from embedding_side.images import MediaPolicy
         from embedding_side.worker import EncodeWorker
@@ -67,8 +68,12 @@ def build(args: argparse.Namespace, encoder=None) -> Built:  # noqa: ANN001 - a 
                                    max_video_pixels=args.max_video_pixels,
                                    max_audio_seconds=args.max_audio_seconds)
         store = global_cache(args, config)
-        worker = EncodeWorker(config, encoder, args.disaggregation_bootstrap_port, media, args.queue_while_sleeping,
-                              args.checkpoint_dir, store)
+        try:
+            worker = EncodeWorker(config, encoder, args.disaggregation_bootstrap_port, media,
+                                  args.queue_while_sleeping, args.checkpoint_dir, store)
+        except BootstrapPortInUse as exc:
+            raise SystemExit(f"error: {exc}; each encode worker on a host needs its own "
+                             f"--disaggregation-bootstrap-port (default {ENCODE_BOOTSTRAP_PORT})") from None
         if store is not None:  # on the worker's engine; bounded: a master not answering now is tried again later
             store.connect(worker.transport)
         if warming is not None:

@@ -34,6 +34,7 @@ from language_side.dispatch import Embedded, EncoderDispatch, ImageRefused
 from language_side.layout import LayoutError
 from language_side.transfer_meta import TransferMeta
 from sglang_ext import shm_handover
+from worker_infra.embedding_store import MAX_CACHE_SALT_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,12 @@ class ResumableReceiver:
         elif sources["image"] == [self.room_marker]:
             embedded = {"image": await self._receive_room(rid, request_obj)}
         else:
-            embedded = await self._embed(rid, {kind: refs for kind, refs in sources.items() if refs})
+            salt = getattr(request_obj, "cache_salt", None)  # SGLang's: a str per request once split
+            if isinstance(salt, str) and len(salt) > MAX_CACHE_SALT_CHARS:
+                raise EmbeddingUnavailable(FailureKind.BAD_REQUEST, f"cache_salt of {len(salt)} characters, over "
+                                                                    f"the limit of {MAX_CACHE_SALT_CHARS}")
+            embedded = await self._embed(rid, {kind: refs for kind, refs in sources.items() if refs},
+                                         salt if isinstance(salt, str) and salt else None)
         from sglang.srt.managers.schedule_batch import Modality
 
         embeddings, layout = {}, {}
@@ -210,13 +216,14 @@ class ResumableReceiver:
             raise EmbeddingUnavailable(FailureKind.PROTOCOL,
                                        f"the embedding from the encoder at {addr} cannot be placed: {exc}") from None
 
-    async def _embed(self, rid: str, sources: dict[str, list[str]]) -> dict[str, Embedded]:
-        """The request's images, videos and audio clips, at the encoders at once; when one kind
-        fails (or the request is aborted) the others are cancelled and waited for, their rooms
-        ended."""
+    async def _embed(self, rid: str, sources: dict[str, list[str]], cache_salt: str | None = None
+                     ) -> dict[str, Embedded]:
+        """The request's images, videos and audio clips, at the encoders at once (cached under its
+        ``cache_salt``); when one kind fails (or the request is aborted) the others are cancelled and
+        waited for, their rooms ended."""
         async def every_kind():
-            kinds = [asyncio.ensure_future(self.dispatch.embed(rid, refs) if kind == "image"
-                                           else self.dispatch.embed_media(rid, refs, kind))
+            kinds = [asyncio.ensure_future(self.dispatch.embed(rid, refs, cache_salt) if kind == "image"
+                                           else self.dispatch.embed_media(rid, refs, kind, cache_salt))
                      for kind, refs in sources.items()]
             try:
                 return dict(zip(sources, await asyncio.gather(*kinds), strict=True))

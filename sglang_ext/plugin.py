@@ -60,6 +60,8 @@ FILTERED_DRAW = "sglang.srt.layers.sampler.top_k_top_p_min_p_sampling_from_probs
 # it came before uvicorn listened (connection refused, a traceback in the log)
 FREEZE_GC = "sglang.srt.entrypoints.http_server._freeze_gc_after_server_warmup"
 LISTEN_WAIT_S = 60.0
+# a PD prefill's KV bootstrap queue, made in its scheduler (sglang_ext/pd.py: Mooncake's sender on a CPU)
+PREFILL_QUEUE_INIT = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.__init__"
 # SGLang transfer backends and the Mooncake protocol each maps to (None: from --mooncake-protocol)
 BACKENDS = {"mooncake": None, "mooncake_tcp": "tcp"}
 
@@ -97,6 +99,7 @@ def register() -> None:
     HookRegistry.register(QWEN2_AUDIO_FEATURE, _around_qwen2_audio_feature, HookType.AROUND)
     HookRegistry.register(OPENAI_REQUEST, _language_server_hook("around_openai_request"), HookType.AROUND)
     HookRegistry.register(RESOLVED_DICT, _after_resolved_dict, HookType.AFTER)
+    HookRegistry.register(PREFILL_QUEUE_INIT, _after_prefill_queue_init, HookType.AFTER)
     HookRegistry.register(SAMPLING_BATCH_INFO, _after_sampling_batch_info, HookType.AFTER)
     HookRegistry.register(SEEDED_DRAW, _around_seeded_draw, HookType.AROUND)
     HookRegistry.register(FILTERED_DRAW, _around_filtered_draw, HookType.AROUND)
@@ -137,10 +140,21 @@ def _around_prepare_server_args(original, argv, *args, **kwargs):
         sys.exit(0)
     server_args = original(argv, *args, **kwargs)
     if our_mode(server_args) is None:
+        from sglang_ext.language_flags import on_cpu
+        from sglang_ext.pd import cpu_argv, cpu_environment, pd_role
+
+        if (role := pd_role(argv)) is not None and on_cpu(argv):  # SGLang's own PD server, on a CPU
+            refuse_language_model_on_cpu(server_args.model_path)
+            cpu_environment(role)
+            return original(cpu_argv(argv, role), *args, **kwargs)
         return server_args
     ours = worker_args(server_args, argv)
     if ours.disaggregation_mode == "language" and not ours.transfer_only:  # SGLang's own server, fed by our connector
+        from sglang_ext.language_flags import on_cpu
         from worker_infra.heap import fix_mmap_threshold
+
+        if on_cpu(argv):
+            refuse_language_model_on_cpu(server_args.model_path)
 
         fix_mmap_threshold(ours.malloc_mmap_threshold)
         from sglang_ext import seeds
@@ -175,6 +189,12 @@ def _language_server_hook(name: str):
 
     hook.__qualname__ = f"epd_resume.{name}"
     return hook
+
+
+def _after_prefill_queue_init(result, queue, *args, **kwargs) -> None:
+    from sglang_ext.pd import after_prefill_queue_init
+
+    after_prefill_queue_init(result, queue, *args, **kwargs)
 
 
 def _after_resolved_dict(result, *args, **kwargs):
@@ -254,12 +274,25 @@ def _around_vision_sdpa(original, *args, **kwargs):
     return segmented_attention(original, *args, **kwargs)
 
 
+def refuse_language_model_on_cpu(model_path: str) -> None:
+    """Exit with one line where SGLang's CPU engine here cannot run ``model_path``'s language model
+    (else it fails in its scheduler with a traceback)."""
+    from sglang_ext.model_files import cpu_language_model_refusal
+
+    if reason := cpu_language_model_refusal(model_path):
+        raise SystemExit(f"error: {reason}")
+
+
 def our_mode(server_args) -> str | None:
     """``encode`` or ``language`` when SGLang parsed one of our modes, or upstream's EPD flags
-    ``--encoder-only`` / ``--language-only`` (aliases here); None for everything else."""
+    ``--encoder-only`` / ``--language-only`` (aliases here; ``--disaggregation-mode prefill
+    --language-only`` is our language side as SGLang's PD prefill); None for everything else."""
     if getattr(server_args, "encoder_only", False):
         return "encode"
     if getattr(server_args, "language_only", False):
+        if server_args.disaggregation_mode == "decode":
+            raise SystemExit("error: --language-only is for the server fed by encoders, a PD prefill's role: "
+                             "a decode server takes its KV from the prefill; start it without --language-only")
         return "language"
     return server_args.disaggregation_mode if server_args.disaggregation_mode in OUR_MODES else None
 
@@ -271,15 +304,26 @@ def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(add_help=False)
     add_worker_args(parser, with_shared=False)
     ours, _ = parser.parse_known_args(argv)
+    # SGLang's PD role of our language side: there --disaggregation-transfer-backend is PD's KV
+    # transfer, and our connector's protocol is --mooncake-protocol's alone
+    ours.pd_role = server_args.disaggregation_mode if server_args.disaggregation_mode == "prefill" else None
     backend = server_args.disaggregation_transfer_backend
-    if backend not in BACKENDS:
-        raise SystemExit(f"error: --disaggregation-transfer-backend {backend} is not supported in "
-                         f"--disaggregation-mode {our_mode(server_args)}; use one of {sorted(BACKENDS)}")
-    ours.mooncake_protocol = BACKENDS[backend] or ours.mooncake_protocol
+    if ours.pd_role is None:
+        if backend not in BACKENDS:
+            raise SystemExit(f"error: --disaggregation-transfer-backend {backend} is not supported in "
+                             f"--disaggregation-mode {our_mode(server_args)}; use one of {sorted(BACKENDS)}")
+        ours.mooncake_protocol = BACKENDS[backend] or ours.mooncake_protocol
+    elif ours.checkpoint_dir:
+        raise SystemExit("error: --checkpoint-dir is not supported on a PD prefill: its requests end at their "
+                         "first token, and their generations live on the decode server")
     ours.disaggregation_mode = our_mode(server_args)
     for shared in shared_flags():
         if shared.from_sglang is not None:
             setattr(ours, shared.dest, shared.from_sglang(getattr(server_args, shared.dest, None)))
+    if not any(a.split("=", 1)[0] == "--disaggregation-bootstrap-port" for a in argv):  # not SGLang's 8998
+        from sglang_ext.args import ENCODE_BOOTSTRAP_PORT
+
+        ours.disaggregation_bootstrap_port = ENCODE_BOOTSTRAP_PORT
     return ours
 
 

@@ -45,6 +45,12 @@ os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
 # check the path users run (SGLang's encoder against transformers and upstream, the main job)
 # take the compiled one (the ``compiled_torch`` fixture).
 os.environ.setdefault(COMPILE_OFF, "1")
+# Hub ids resolve in a Hugging Face cache of the run's own, offline (tests install checkpoints there:
+# harness/hub_cache.py): set before the zygote imports huggingface_hub, which reads it then.
+if "HF_HUB_CACHE" not in os.environ:  # the run's own (xdist's workers inherit it), removed at its end
+    os.environ["HF_HUB_CACHE"] = os.path.join(tempfile.gettempdir(), f"epd-tests-hf-hub-{os.getpid()}")
+    atexit.register(shutil.rmtree, os.environ["HF_HUB_CACHE"], ignore_errors=True)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import zmq  # noqa: E402
 from hypothesis import settings  # noqa: E402
@@ -534,3 +540,21 @@ def raw_pool(connector_kind: str):
     yield transport, pool
     transport.unregister([b.ctypes.data for b in pool.buffers])
     transport.close()
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    """transformers' Qwen2.5-VL on the module's ``folder`` checkpoint: the reference's model (a
+    module on another family defines its own)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(folder, model):
+    """``greedy(paths)``: transformers' monolithic greedy ids for :func:`sglang_stack.prompt` with
+    ``paths`` (``sglang_stack.image_reference``) on the module's ``folder``."""
+    from sglang_stack import image_reference
+
+    return image_reference(folder, model)

@@ -14,8 +14,9 @@ import numpy as np
 import requests
 import torch
 from image_cache import saved_image
-from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs
+from monolithic import Greedy, greedy_generate, greedy_mismatch, reference_inputs, sampled_frames
 
+from harness import hub_cache
 from harness.workers import SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, smg_gateway, start_together  # noqa: F401  (the modules import them here)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,6 +145,23 @@ def image_reference(folder: str, model=None):
     return lambda paths, new_tokens=NEW_TOKENS: greedy(prompt(len(paths)), paths, new_tokens)
 
 
+def video_greedy(folder: str, model):
+    """``greedy(videos)``: transformers' own processor on the frames SGLang's encoder samples of
+    each video (their rate gives Qwen2.5-VL's seconds per temporal patch), and ``model``'s greedy
+    ids (a ``monolithic.Greedy``) of :func:`prompt` with those videos."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(folder)
+
+    def greedy(videos: list[str]) -> Greedy:
+        sampled = [sampled_frames(v) for v in videos]
+        inputs = processor(text=[prompt(0, len(videos))], videos=[f for f, _ in sampled], do_sample_frames=False,
+                           video_metadata=[m for _, m in sampled], return_tensors="pt")
+        return greedy_generate(model, inputs, NEW_TOKENS)
+
+    return greedy
+
+
 # ---- what test_openai_api and test_no_silent_hang share: several workers, the connector's state ----
 
 # SGLang's language server as these tests start it: a small KV pool, no warm-up (it starts faster)
@@ -167,10 +185,12 @@ def language_server(folder: str, encoders: list[str], *flags: str) -> WorkerProc
 @contextlib.contextmanager
 def sglang_pair(folder: str, *language_flags: str) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     """SGLang's encoder on ``folder``, then SGLang's server as the language worker sending images
-    to it (with ``language_flags``); both stopped on leaving."""
-    encode = WorkerProcess("encode", "--model-path", folder, command=SGLANG_LAUNCH)
+    to it (with ``language_flags``); both stopped on leaving. Both take the checkpoint by hub id,
+    from the run's offline Hugging Face cache, as a deployment names it (every family this starts)."""
+    repo_id = hub_cache.install(folder, f"probe/{Path(folder).name}-{hashlib.sha1(folder.encode()).hexdigest()[:8]}")
+    encode = WorkerProcess("encode", "--model-path", repo_id, command=SGLANG_LAUNCH)
     try:
-        language = WorkerProcess("language", "--model-path", folder, "--encoder-urls", encode.url, *language_flags,
+        language = WorkerProcess("language", "--model-path", repo_id, "--encoder-urls", encode.url, *language_flags,
                                  command=SGLANG_LAUNCH, ready=SGLANG_READY, timeout=300)
     except BaseException:
         encode.stop()

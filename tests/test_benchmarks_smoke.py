@@ -132,14 +132,16 @@ def test_bench_embedding_cache_prints_the_turns_and_the_ratio(tmp_path: Path, sm
 
 @pytest.mark.sglang
 def test_bench_stall_prints_the_gaps_in_the_receive_windows_and_in_their_controls_and_the_ratio(tmp_path: Path, small_model: list[str]) -> None:
-    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_stall.py"), *small_model, "--streams", "2", "--images", "1",
+    streams = 2
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_stall.py"), *small_model, "--streams", str(streams), "--images", "1",
                           "--quiet-s", "2", "--size", "1920x1080", "--json", str(tmp_path / "s.json")],
                          capture_output=True, text=True,
                          timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert re.fullmatch(r"stall_p99_ratio=\d+\.\d+", out.stdout.strip().splitlines()[-1])
     row = json.loads((tmp_path / "s.json").read_text())
-    assert row["control"]["gaps"] > 10 and row["window"]["gaps"] >= 1 and len(row["windows_ms"]) == 1
+    # every stream decodes through its control window (how many tokens fall in it is the machine's speed)
+    assert row["control"]["gaps"] >= streams and row["window"]["gaps"] >= 1 and len(row["windows_ms"]) == 1
     assert row["windows_ms"][0] > 0  # the receive window follows the encode, within transfer_ms
 
 
@@ -149,7 +151,8 @@ def test_bench_links_prints_each_links_share_of_its_line_rate(tmp_path: Path) ->
                           "--json", str(tmp_path / "l.json")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     share = re.fullmatch(r"link_1000mbit_connector_of_line_rate=(\d+\.\d+)", out.stdout.strip().splitlines()[-1])
-    assert share and 0 < float(share[1]) <= 1.05, out.stdout[-2000:]  # a shaped link is not beaten
+    # a shaped link is not beaten: tbf's burst (0.5 MB at 1000 Mbit/s) is under 1% of the 75.6 MB sent
+    assert share and 0 < float(share[1]) <= 1.05, out.stdout[-2000:]
     assert re.search(r"^link_1000mbit_resume_within_target=(True|False)$", out.stdout, re.M), out.stdout[-2000:]
     row = json.loads((tmp_path / "l.json").read_text())["1000mbit"]
     assert set(row["ms"]) == {"single", "resume", "socket", "rtt"} and row["resume_over_single"] > 0

@@ -7,10 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from monolithic import bf16_step
 
 pytestmark = pytest.mark.fast
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+def rounding_step(values: torch.Tensor, dtype: torch.dtype) -> float:
+    """One step of ``dtype`` at ``values``' largest magnitude: a bf16 step, for float32 16 bits finer."""
+    bits_finer = torch.finfo(torch.bfloat16).eps / torch.finfo(dtype).eps
+    return float(bf16_step(values.float().abs().max()) / bits_finer)
 
 
 def upstream_extend():
@@ -51,8 +58,10 @@ def test_the_unpadded_extend_equals_sglangs_padded_one(dtype: torch.dtype, causa
     returned = extend_without_padding(upstream, None, query, ours, k_cache, v_cache, req_to_token, pool_rows, totals,
                                       prefixes, news, **common)
     assert returned is ours
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(ours, theirs, atol=tolerance, rtol=tolerance)
+    # Each side rounds the attention weights and the output in ``dtype`` (and sums in its own order):
+    # its result is within about one step of ``dtype`` at the largest |v| (the output is an average of
+    # v's rows) from the exact one, so the two are within two such steps of each other.
+    assert (ours.float() - theirs.float()).abs().max() <= 2 * rounding_step(v_cache, dtype)
 
 
 def test_a_sliding_window_keeps_sglangs_code() -> None:

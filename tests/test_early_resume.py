@@ -13,13 +13,16 @@ from test_transfer import transfer
 from connector.allocator import BlockAllocator
 from connector.buffers import BufferPool, Embedding
 from connector.config import ConnectorConfig
-from connector.messages import InitMsg, ResumeMsg, StatusMsg
+from connector.messages import InitMsg, ResumeMsg, StatusMsg, decode_language_bound
 from connector.poll import KVPoll
+from connector.receiver import EmbeddingReceiverManager
 from connector.sender import EmbeddingSenderManager
 from connector.transport import Transport
 from harness.connector_peer import synthetic_embedding
 
 pytestmark = pytest.mark.transports("mooncake", "memory")
+
+EVENTUALLY_S = 30.0  # a poll's deadline: what it catches is "never"
 
 
 def test_only_peers_with_our_register_frames_get_the_total_early(make_peer, raw_language, raw_pool) -> None:
@@ -44,9 +47,30 @@ def test_only_peers_with_our_register_frames_get_the_total_early(make_peer, raw_
             assert raw.pings == 1  # the first write to a new session waits for one ping round trip
 
 
-def test_our_language_side_resumes_while_the_first_round_is_written(make_peer, make_language) -> None:
+def test_our_language_side_resumes_while_the_first_round_is_written(make_peer, make_language, monkeypatch) -> None:
+    """The total comes before round one lands, and the language side asks for the rest on it. Round
+    one's 58 MB land in tens of milliseconds: the language side hears of it only once it resumed
+    (or after EVENTUALLY_S, when it never does), so a thread of it scheduled late cannot make the
+    resume a late one."""
+    real = EmbeddingReceiverManager._on_message
+    held = []
+
+    def on_message(manager: EmbeddingReceiverManager, frames: list[bytes]) -> None:
+        try:
+            msg = decode_language_bound(frames)
+        except Exception:  # noqa: BLE001 - the manager's own handler refuses it
+            msg = None
+        if not held and isinstance(msg, StatusMsg) and msg.status in (KVPoll.Transferring, KVPoll.Success):
+            held.append(msg)  # round one landed: its status waits for the early resume
+            deadline = time.monotonic() + EVENTUALLY_S
+            while manager.stats["early_resumes"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+        real(manager, frames)
+
+    monkeypatch.setattr(EmbeddingReceiverManager, "_on_message", on_message)
     peer, lang = make_peer(), make_language()
     receiver = transfer(lang, peer, 5, 20_000)
+    assert held and held[0].sent_tokens == 8192  # the status held was round one's
     assert receiver.resume_rounds == 1
     assert lang.manager.stats["early_resumes"] == 1
 
@@ -100,7 +124,7 @@ def test_a_round_written_beside_the_first_reports_after_it(raw_language) -> None
         assert raw.expect() == StatusMsg(7, KVPoll.WaitingForInput, 0, "", 20_000)
         rest = tuple(range(64, 64 + dst.blocks_for(20_000 - 8192)))
         raw.send(ResumeMsg(7, "127.0.0.1", raw.port, raw.session, rest, 1, 8192, len(rest) * 128))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + EVENTUALLY_S
         while transport.finished != [2]:  # the second round landed while the first is held
             assert time.monotonic() < deadline, transport.finished
             time.sleep(0.01)
@@ -113,7 +137,7 @@ def test_a_round_written_beside_the_first_reports_after_it(raw_language) -> None
         dst.read_into(list(range(64)) + list(rest), out, 0, 20_000)
         out.aux[:] = dst.aux[0]  # aux travels in the first block of round one
         assert out.digests() == emb.digests()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + EVENTUALLY_S
         while not allocator.all_free():
             assert time.monotonic() < deadline, "source blocks not freed"
             time.sleep(0.01)

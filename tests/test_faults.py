@@ -27,6 +27,8 @@ from connector.receiver import finish_receiving, receive_embedding
 
 pytestmark = pytest.mark.transports("mooncake", "memory")
 
+EVENTUALLY_S = 30.0  # a poll's deadline: what it catches is "never"
+
 
 def wait_for(predicate, timeout: float, what: str) -> float:
     start = time.monotonic()
@@ -71,7 +73,7 @@ def test_sender_killed_mid_round_fails_rooms_naming_the_peer_and_receiver_keeps_
         with pytest.raises(TransferFailure, match=f"encode peer {peer.bootstrap_addr}.*dead.*heartbeats missed"):
             receiver.failure_exception()
     assert time.monotonic() - killed_at < window
-    wait_for(lang.allocator.all_free, 5, "the language pool to be free")
+    wait_for(lang.allocator.all_free, EVENTUALLY_S, "the language pool to be free")
     new_peer = make_peer()
     transfer(lang, new_peer, 3, 9000)
 
@@ -87,9 +89,10 @@ def test_block_size_mismatch_fails_fast_with_a_reason(make_peer, make_language, 
     peer.call("stage", room=1, tokens=1000, seed=1)
     start = time.monotonic()
     # A peer registered as the fork gets the fork's two-frame Failed: no reason travels.
+    receive_s = 10
     with pytest.raises(TransferFailure, match="no reason given" if fork_register else "pool layout mismatch"):
-        receive_embedding(lang.manager, peer.bootstrap_addr, 1, timeout=10)
-    assert time.monotonic() - start < 3
+        receive_embedding(lang.manager, peer.bootstrap_addr, 1, timeout=receive_s)
+    assert time.monotonic() - start < receive_s / 2  # fast: refused, not waited out to the receive's timeout
     assert "mismatch" in peer.call("status", room=1)["reason"]
 
 
@@ -165,7 +168,7 @@ def test_a_ping_sent_before_a_language_worker_joined_a_room_does_not_fail_it(mak
 
     def beat(pinged: int) -> None:  # one heartbeat interval passes; the encoder's housekeeping beats
         clock.advance(interval)
-        wait_for(lambda: pings.dropped + (not pings.cut) >= pinged, 5, f"ping {pinged}")
+        wait_for(lambda: pings.dropped + (not pings.cut) >= pinged, EVENTUALLY_S, f"ping {pinged}")
 
     beat(1)
     beat(2)  # the first ping missed
@@ -173,7 +176,7 @@ def test_a_ping_sent_before_a_language_worker_joined_a_room_does_not_fail_it(mak
     younger = start_room(lang, peer, 2, 8)
     wait_for(lambda: younger.poll() == KVPoll.Transferring, 30, "room 2's first round")
     clock.advance(interval - 1)  # the second missed: dead, for room 1
-    wait_for(lambda: older.poll() == KVPoll.Failed, 5, "room 1 to fail")
+    wait_for(lambda: older.poll() == KVPoll.Failed, EVENTUALLY_S, "room 1 to fail")
     with pytest.raises(TransferFailure, match="is dead: 2 pings in a row unanswered"):
         older.failure_exception()
     time.sleep(0.5)  # two housekeeping ticks: room 2 would have failed by now
@@ -184,7 +187,7 @@ def test_a_ping_sent_before_a_language_worker_joined_a_room_does_not_fail_it(mak
     else:
         beat(3)  # the next ping, missed too
         clock.advance(interval)
-        wait_for(lambda: younger.poll() == KVPoll.Failed, 5, "room 2 to fail")
+        wait_for(lambda: younger.poll() == KVPoll.Failed, EVENTUALLY_S, "room 2 to fail")
         with pytest.raises(TransferFailure, match="is dead: 2 pings in a row unanswered"):
             younger.failure_exception()
     wait_for(lang.allocator.all_free, 10, "every block of the language pool back")
@@ -238,33 +241,33 @@ def test_resume_timeout_on_the_encoder_fails_the_room_and_frees_both_pools(make_
     peer.call("stage", room=1, tokens=10_000, seed=1)
     receiver = start_room(lang, peer, 1, 64)
     wait_for(lambda: receiver.poll() == KVPoll.Transferring, 30, "the first round")
-    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the resume timeout")
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, EVENTUALLY_S, "the resume timeout")
     with pytest.raises(TransferFailure, match="no resume within 1s"):
         receiver.failure_exception()
-    wait_for(lang.allocator.all_free, 5, "the language pool to be free")
+    wait_for(lang.allocator.all_free, EVENTUALLY_S, "the language pool to be free")
 
 
 def test_init_for_a_room_the_encoder_never_gets_times_out_on_both_sides(make_peer, make_language) -> None:
     peer, lang = make_peer(bootstrap_timeout=1), make_language()
     receiver = start_room(lang, peer, 77, 4)
-    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the bootstrap timeout")
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, EVENTUALLY_S, "the bootstrap timeout")
     with pytest.raises(TransferFailure, match="timeout: .*bootstrap, no encoded data within 1s"):
         receiver.failure_exception()
     peer.call("stage", room=78, tokens=300, seed=1)  # staged but never initialised
-    wait_for(lambda: peer.call("status", room=78)["status"] == "Failed", 5, "the staged room to time out")
+    wait_for(lambda: peer.call("status", room=78)["status"] == "Failed", EVENTUALLY_S, "the staged room to time out")
 
 
 def test_waiting_timeout_on_the_language_side_aborts_and_gets_its_blocks_back(make_peer, make_language) -> None:
     peer, lang = make_peer(), make_language(waiting_timeout=1)
     receiver = start_room(lang, peer, 5, 8)
-    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the waiting timeout")
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, EVENTUALLY_S, "the waiting timeout")
     with pytest.raises(TransferFailure, match="timeout: no data from encode peer"):
         receiver.failure_exception()
-    wait_for(lang.allocator.all_free, 5, "the abort ack")
+    wait_for(lang.allocator.all_free, EVENTUALLY_S, "the abort ack")
     assert lang.manager.stats["abort_acked"] == 1
 
 
-def recv_status(raw, timeout: float = 5.0) -> StatusMsg:
+def recv_status(raw, timeout: float = EVENTUALLY_S) -> StatusMsg:
     msg = raw.expect(timeout)
     assert isinstance(msg, StatusMsg)
     return msg
@@ -313,11 +316,10 @@ def test_stale_abort_ack_of_another_generation_is_dropped(make_language) -> None
         kinds = [type(decode_encoder_bound(encoder_pull.recv_multipart())).__name__ for _ in range(3)]
         assert kinds == ["RegisterMsg", "InitMsg", "AbortMsg"]
         reply.send_multipart(AbortAckMsg(31, lang.manager.generation - 1).encode())
-        time.sleep(0.3)
+        wait_for(lambda: lang.manager.stats["stale_message"] == 1, EVENTUALLY_S, "the stale ack to be handled")
         assert lang.allocator.free_blocks == lang.allocator.num_blocks - 4
-        assert lang.manager.stats["stale_message"] == 1
         reply.send_multipart(AbortAckMsg(31, lang.manager.generation).encode())
-        wait_for(lang.allocator.all_free, 5, "the real ack")
+        wait_for(lang.allocator.all_free, EVENTUALLY_S, "the real ack")
     finally:
         bootstrap.close()
         encoder_pull.close(0)

@@ -12,7 +12,7 @@ import pytest
 
 from connector.config import ENV_NAMES, SETTINGS, ConnectorConfig, Setting
 from sglang_ext import plugin
-from sglang_ext.args import add_worker_args, connector_config, shared_flags
+from sglang_ext.args import ENCODE_BOOTSTRAP_PORT, add_worker_args, connector_config, shared_flags
 
 pytestmark = pytest.mark.fast
 
@@ -184,6 +184,16 @@ def test_the_plugin_reads_the_same_values_as_our_launcher(monkeypatch) -> None:
     monkeypatch.delenv("SGLANG_EMBEDDING_MAX_QUEUED_REQUESTS")
     ours = plugin.worker_args(sglang_parsed(), [*MODE])
     assert connector_config(ours).max_queued_requests == 256
+
+
+def test_an_encoders_bootstrap_port_is_none_of_sglangs_defaults() -> None:
+    """Unless told, an encode worker's bootstrap server takes 8996, not SGLang's 8998 (its PD
+    prefill's KV bootstrap) or 8997 (its own encoder's): the plugin and our launcher alike."""
+    assert plugin.worker_args(sglang_parsed(), [*MODE]).disaggregation_bootstrap_port == ENCODE_BOOTSTRAP_PORT == 8996
+    assert launcher_args().disaggregation_bootstrap_port == ENCODE_BOOTSTRAP_PORT
+    given = plugin.worker_args(sglang_parsed(disaggregation_bootstrap_port=8998),
+                               [*MODE, "--disaggregation-bootstrap-port", "8998"])
+    assert given.disaggregation_bootstrap_port == 8998
 
 
 @pytest.mark.parametrize(("name", "value"), [("SGLANG_EMBEDDING_CONTROL_SECRET", "abcdefghijklm"),

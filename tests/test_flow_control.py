@@ -30,6 +30,10 @@ from worker_infra.sleep import WorkerState
 
 pytestmark = pytest.mark.fast
 
+EVENTUALLY_S = 30.0  # a poll's deadline: what it catches is "never"
+GATE_S = 30.0  # how long the gated encoder holds a forward pass before it gives up on the test
+AT_ONCE_S = 20.0  # an answer within this came before the held pass ended (below GATE_S)
+
 
 def granted(future: Future) -> bool:
     return future.done() and future.exception() is None
@@ -121,7 +125,7 @@ def test_blocks_lent_to_rooms_nobody_asked_for_come_back_for_a_room_that_was(enc
     senders = {room: sender.create_sender(room) for room in embs}
     for room, emb in embs.items():
         senders[room].send(emb)
-    assert senders[1].wait_in_pool(5) and senders[2].wait_in_pool(5)  # borrowed while free
+    assert senders[1].wait_in_pool(EVENTUALLY_S) and senders[2].wait_in_pool(EVENTUALLY_S)  # borrowed while free
     assert not senders[3].wait_in_pool(0.3)  # no room left: it waits in host memory
     raw.send(InitMsg(3, "127.0.0.1", raw.port, raw.session, tuple(range(40)), 1, tokens))
     raw.answer_ping()
@@ -132,7 +136,7 @@ def test_blocks_lent_to_rooms_nobody_asked_for_come_back_for_a_room_that_was(enc
         raw.send(InitMsg(room, "127.0.0.1", raw.port, raw.session, tuple(range(first, first + 40)), 1, tokens))
         assert raw.expect() == StatusMsg(room, KVPoll.Success, tokens)
         assert landed(dst, first, tokens).digests() == embs[room].digests()
-    wait_for(allocator.all_free, 5, "the source blocks")
+    wait_for(allocator.all_free, EVENTUALLY_S, "the source blocks")
     assert sender.staging.used == 0
 
 
@@ -157,7 +161,7 @@ def test_an_asked_for_room_waits_only_for_asked_for_rooms_to_finish(encoder) -> 
     assert statuses == {5, 6}
     assert landed(dst, 0, tokens).digests() == first.digests()
     assert landed(dst, 80, tokens).digests() == second.digests()
-    wait_for(allocator.all_free, 5, "the source blocks")
+    wait_for(allocator.all_free, EVENTUALLY_S, "the source blocks")
 
 
 class BrokenEncoder(FakeEncoder):
@@ -196,7 +200,7 @@ def encode_worker(raw_language, raw_pool, tmp_path):
 def asked_and_encoded(worker: EncodeWorker, raw, room: int, image: str) -> dict:
     """Init ``room`` from the raw peer, then encode it; returns the reply (or raises)."""
     raw.send(InitMsg(room, "127.0.0.1", raw.port, raw.session, tuple(range(64)), 1, 8192))
-    wait_for(lambda: worker.sender.asked_for(room), 5, "the init")
+    wait_for(lambda: worker.sender.asked_for(room), EVENTUALLY_S, "the init")
     return asyncio.run(worker.encode(f"rid{room}", room, [image], wait_for_delivery=False))
 
 
@@ -222,7 +226,7 @@ def test_a_sleep_that_fails_leaves_the_worker_awake_with_its_pool(encode_worker)
     assert worker.gate.state == WorkerState.AWAKE and worker.pool is not None
     assert asked_and_encoded(worker, raw, 9, image)["num_tokens"] == 256  # places and writes again
     assert raw.expect(room=9) == StatusMsg(9, KVPoll.Success, 256)
-    wait_for(worker.allocator.all_free, 5, "the source blocks")
+    wait_for(worker.allocator.all_free, EVENTUALLY_S, "the source blocks")
 
 
 class GatedEncoder(FakeEncoder):
@@ -233,7 +237,7 @@ class GatedEncoder(FakeEncoder):
         self.go = threading.Event()
 
     def encode(self, images):
-        assert self.go.wait(30), "the test never let the encoder go"
+        assert self.go.wait(GATE_S), "the test never let the encoder go"
         return super().encode(images)
 
 
@@ -251,7 +255,7 @@ def decoding_one_at_a_time(raw, raw_pool, tmp_path) -> tuple[EncodeWorker, str, 
     raw.register(pool)
     for room in (1, 2):
         raw.send(InitMsg(room, "127.0.0.1", raw.port, raw.session, tuple(range(8 * room - 8, 8 * room)), 1, 1024))
-        wait_for(lambda r=room: worker.sender.asked_for(r), 5, "the init")
+        wait_for(lambda r=room: worker.sender.asked_for(r), EVENTUALLY_S, "the init")
     return worker, image, one
 
 
@@ -296,7 +300,7 @@ def test_a_room_failed_while_it_waits_for_decode_memory_answers_at_once(raw_lang
             wait_for(lambda: worker._queues()["decode_waiting"] == 1, 10, "the second request to wait")
             raw.send(AbortMsg(2, "127.0.0.1", raw.port, raw.generation))
             with pytest.raises(TransferFailure) as err:
-                second.result(timeout=5)  # the first's pass is still held
+                second.result(timeout=AT_ONCE_S)  # the first's pass is still held
             assert err.value.kind == FailureKind.ABORTED, err.value
             assert worker._queues()["decode_waiting"] == 0
             worker.encoder.go.set()
@@ -325,7 +329,7 @@ def test_a_room_failed_during_its_forward_pass_answers_the_encode_request_at_onc
         raw.connect(worker.sender.rank_port)
         raw.register(pool)
         raw.send(InitMsg(4, "127.0.0.1", raw.port, raw.session, tuple(range(2)), 1, 256))
-        wait_for(lambda: worker.sender.asked_for(4), 5, "the init")
+        wait_for(lambda: worker.sender.asked_for(4), EVENTUALLY_S, "the init")
         with ThreadPoolExecutor(1) as runner:
             reply = runner.submit(asyncio.run, worker.encode("rid4", 4, [image], wait_for_delivery=False))
             wait_for(lambda: worker._computing == 1, 10, "the forward pass")
@@ -334,7 +338,7 @@ def test_a_room_failed_during_its_forward_pass_answers_the_encode_request_at_onc
             else:
                 raw.send(AbortMsg(4, "127.0.0.1", raw.port, raw.generation))
             with pytest.raises(TransferFailure) as err:
-                reply.result(timeout=5)  # the encoder is still held
+                reply.result(timeout=AT_ONCE_S)  # the encoder is still held
         assert err.value.kind == (FailureKind.SHUTTING_DOWN if failed_by == "stop" else FailureKind.ABORTED), err.value
         assert worker._queues()["decode_bytes"] > 0  # the pass still holds what it decoded
         worker.encoder.go.set()

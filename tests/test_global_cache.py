@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import requests
 from monolithic import greedy_mismatch
 from sglang_stack import (
     connector_idle,
@@ -34,7 +35,7 @@ from sglang_stack import (
 )
 
 from harness.workers import MooncakeMaster, WorkerProcess, start_together
-from worker_infra.embedding_store import media_key, pack, unpack
+from worker_infra.embedding_store import MAX_CACHE_SALT_CHARS, media_key, pack, unpack
 
 pytestmark = pytest.mark.sglang
 
@@ -42,6 +43,9 @@ SECRET = "the-cluster-secret-of-the-cache-tests"
 ENCODED = 'epd_encoder_items_total{source="encoded"}'
 REUSED = 'epd_encoder_items_total{source="reused"}'
 PUT = 'epd_global_cache_puts_total{outcome="ok"}'
+# a language server's stop with the master gone: halfway between SGLang's own shutdown (a few
+# seconds here) and the store client's destructor's wait for the master (16 s measured)
+STOP_BOUND_S = 10.0
 
 
 @dataclass
@@ -113,10 +117,10 @@ def key_of(cluster: Cluster, path: str, fingerprint: str | None = None) -> str:
     return media_key("image", hashlib.sha256(Path(path).read_bytes()).hexdigest(), fingerprint)
 
 
-def answer(language: WorkerProcess, path: str, rid: str, reference, by_path: bool = False) -> dict:
-    """A greedy ``/generate`` for the image at ``path`` (a data: URI of it, or its path), checked
-    against the monolithic reference; its ``meta_info``."""
-    got = generate(language, [path if by_path else data_uri(path)], rid)
+def answer(language: WorkerProcess, path: str, rid: str, reference, by_path: bool = False, **extra) -> dict:
+    """A greedy ``/generate`` for the image at ``path`` (a data: URI of it, or its path; ``extra``:
+    more body fields), checked against the monolithic reference; its ``meta_info``."""
+    got = generate(language, [path if by_path else data_uri(path)], rid, **extra)
     assert got.status_code == 200, got.text
     body = got.json()
     assert greedy_mismatch(body["output_ids"], reference([path])) is None
@@ -161,6 +165,30 @@ def test_an_image_sent_by_path_is_encoded_once_for_both_servers(cluster, images,
     wait_for_puts(cluster, written + 1)
     answer(cluster.languages[1], images["448x448"], "path-other", reference, by_path=True)
     assert (cluster.total(ENCODED), cluster.total(REUSED)) == (encoded + 1, reused + 1)
+
+
+def test_a_cache_salt_reads_and_counts_only_its_own_entries(cluster, images, reference) -> None:
+    """SGLang's ``cache_salt`` keeps tenants apart in the cluster's cache, through the native API and
+    the OpenAI API alike: an image in the store without a salt (the tests above wrote it) is a miss
+    for tenant a, whose request encodes it and writes tenant a's own entry; tenant a's next request,
+    on the other server, takes that one; tenant b's first request misses again."""
+    path = images["1920x1080"]
+    encoded, written = cluster.total(ENCODED), cluster.total(PUT)
+    first = answer(cluster.languages[0], path, "salt-a-first", reference, cache_salt="tenant-a")
+    assert first["stored_images"] == 0 and cluster.total(ENCODED) == encoded + 1
+    wait_for_puts(cluster, written + 1)
+    again = answer(cluster.languages[1], path, "salt-a-again", reference, cache_salt="tenant-a")
+    assert again["stored_images"] == 1 and again["encode_ms"] == 0 and cluster.total(ENCODED) == encoded + 1
+    chat = {"model": "qwen", "max_tokens": 4, "temperature": 0, "cache_salt": "tenant-b", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(path)}},
+                                     {"type": "text", "text": "Describe it."}]}]}
+    reply = requests.post(f"{cluster.languages[1].url}/v1/chat/completions", json=chat, timeout=300)
+    assert reply.status_code == 200, reply.text
+    assert cluster.total(ENCODED) == encoded + 2  # tenant b found none of the others' entries
+    overlong = requests.post(f"{cluster.languages[1].url}/v1/chat/completions", timeout=60,
+                             json={**chat, "cache_salt": "s" * (MAX_CACHE_SALT_CHARS + 1)})
+    assert overlong.status_code == 400 and "cache_salt of 1025 characters" in overlong.text, overlong.text
+    assert cluster.total(ENCODED) == encoded + 2  # refused before any encoder was asked
 
 
 def read_entry(store, key: str) -> np.ndarray:
@@ -263,3 +291,10 @@ def test_the_master_killed_mid_trace_costs_no_request_its_answer(cluster, master
     for language in cluster.languages:  # every block of both pools back
         idle = connector_idle(language)
         assert idle["free_blocks"] == idle["num_blocks"], idle
+    # and a server stops promptly with the master gone: its store client, whose destructor waits on
+    # the master with the GIL held (16-30 s), is never destroyed
+    started = time.monotonic()
+    cluster.languages[1].stop()
+    stopped_in = time.monotonic() - started
+    print(f"\nSGLang's language server stopped {stopped_in:.1f} s after SIGINT, the master gone")
+    assert stopped_in < STOP_BOUND_S

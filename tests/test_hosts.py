@@ -16,6 +16,7 @@ encoders, lost packets.
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import re
 import secrets
@@ -23,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,10 +49,12 @@ from sglang_stack import (
 )
 from transfer_large_image import make_image
 
-from connector.zmq_link import PushSockets
+from connector.zmq_link import RTO_MAX_MS, PushSockets
 from harness.hosts import Network
 from harness.workers import ROOT, SGLANG_LAUNCH, SGLANG_READY, WorkerProcess, free_port, start_together
+from language_side.dispatch import PROBE_TIMEOUT_S
 from sglang_ext.language_flags import cpu_kv_tokens
+from sglang_ext.launch_server import CLOSE_WAIT_S
 
 pytestmark = [pytest.mark.hosts, pytest.mark.sglang]
 
@@ -318,6 +322,11 @@ def test_a_stranger_on_the_bridge_can_do_nothing_without_the_secret_or_the_key(n
 # links are cut with iptables on one host, so every other link stays up.
 
 
+CUT_S = 16
+# TCP's retransmissions without a cap (from a 200 ms RTO, doubling): 0.2, 0.6, 1.4, 3.0, 6.2, 12.6, 25.4 s
+UNCAPPED_RETRANSMISSION_S = 25.4  # the first after a cut of CUT_S
+
+
 # A PULL socket on a host: each message's text and the time it arrived, a line each.
 PULL_PRINTER = """
 import sys, time, zmq
@@ -332,9 +341,10 @@ while True:
 def test_control_messages_sent_into_a_cut_arrive_within_a_second_or_two_of_its_end(net) -> None:
     """The connector's PUSH sockets (here, on the client host) to a PULL on another host while
     the link is cut both ways for 16 s, a message every 0.5 s: once it heals every message
-    arrives, in order, on the same connection, and the first sent after the heal within 3 s.
-    Without the retransmission cap (``connector/zmq_link.py``) it waits for TCP's back-off:
-    the retransmission due about 13 s into the cut is lost, the next is due at about 25 s."""
+    arrives, in order, on the same connection, and the first sent after the heal within about 5 s
+    (within the 1 s cap, on an unloaded machine). Without the retransmission cap
+    (``connector/zmq_link.py``) it waits for TCP's back-off: the retransmission due about 13 s
+    into the cut is lost, the next is due at about 25 s, 9 s after the heal."""
     host = net["stranger"]
     printer = subprocess.Popen([*host.exec_prefix(), sys.executable, "-c", PULL_PRINTER, f"tcp://{host.address}:5599"],
                                stdout=subprocess.PIPE, text=True)
@@ -348,7 +358,7 @@ def test_control_messages_sent_into_a_cut_arrive_within_a_second_or_two_of_its_e
         try:
             cut_at = time.monotonic()
             sent = 0
-            while time.monotonic() - cut_at < 16:
+            while time.monotonic() - cut_at < CUT_S:
                 push.send(host.address, 5599, [f"cut-{sent}".encode()])
                 sent += 1
                 time.sleep(0.5)
@@ -362,7 +372,11 @@ def test_control_messages_sent_into_a_cut_arrive_within_a_second_or_two_of_its_e
         context.term()
         printer.kill()
     assert [text for text, _ in arrived] == [*(f"cut-{i}" for i in range(sent)), "after"]
-    assert float(arrived[-1][1]) - healed_at < 3, f"the first message after the heal took {float(arrived[-1][1]) - healed_at:.1f} s"
+    # halfway between the capped back-off (the next retransmission within RTO_MAX_MS of the heal)
+    # and the uncapped one's (about 25 s into the cut)
+    bound = (RTO_MAX_MS / 1000 + (UNCAPPED_RETRANSMISSION_S - CUT_S)) / 2
+    took = float(arrived[-1][1]) - healed_at
+    assert took < bound, f"the first message after the heal took {took:.1f} s (bound {bound:g} s)"
 
 
 @pytest.fixture(scope="module")
@@ -379,12 +393,19 @@ def fresh(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def before(cluster, fresh) -> float:
-    """The seconds a 1920x1080 two-request to encoder a takes with every link up (the best of 3,
-    after a warm-up)."""
-    a, language = cluster["encoder"], cluster["language"]
-    two_request(a, language, fresh(), "before-warm")
-    return min(two_request(a, language, fresh(1920, 1080), f"before-{i}") for i in range(3))
+def before(cluster, fresh) -> Callable[[], float]:
+    """``before()``: the seconds a 1920x1080 two-request to encoder a takes with every link up (the
+    best of 3, after a warm-up), measured at the first call. The serial tests call it before their
+    cut, so that it is measured as what it is compared with runs: alone (under xdist only a test's
+    call does, ``conftest.py``; a fixture's set-up shares the cores with the other worker's tests)."""
+
+    @functools.cache
+    def measure() -> float:
+        a, language = cluster["encoder"], cluster["language"]
+        two_request(a, language, fresh(), "before-warm")
+        return min(two_request(a, language, fresh(1920, 1080), f"before-{i}") for i in range(3))
+
+    return measure
 
 
 def two_request(encode: WorkerProcess, language: WorkerProcess, path: str, rid: str) -> float:
@@ -410,6 +431,7 @@ def chat(language: WorkerProcess, path: str, rid: str, ignore_eos: bool = True) 
         "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": ignore_eos}})
 
 
+@pytest.mark.serial  # its first request after the heal is timed against one before the cut
 def test_a_link_cut_mid_transfer_under_16_clients_then_healed(net, cluster, fresh, before) -> None:
     """The link between encoder host a and the language host goes down while 16 clients'
     images (two of them 4K) are being encoded and sent: every client is answered, by encoder b, within the
@@ -417,6 +439,7 @@ def test_a_link_cut_mid_transfer_under_16_clients_then_healed(net, cluster, fres
     and its first request takes at most twice what one took before the cut (no message queued
     for the cut-off peer holds it up)."""
     a, b, language = cluster["encoder"], cluster["encoder2"], cluster["language"]
+    usual = before()
     sizes = {1: (3840, 2160), 9: (3840, 2160)}  # two 4K images (a resume round each), six 1080p, eight small
     clients = [fresh(*sizes.get(i, (1920, 1080) if i % 2 else (448, 448))) for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
@@ -439,7 +462,7 @@ def test_a_link_cut_mid_transfer_under_16_clients_then_healed(net, cluster, fres
     assert statuses == [200] * 16, [reply.text[:300] for reply in replies if reply.status_code != 200]
     assert elapsed < 240 + 3 * DETECTION_S, elapsed
     assert cut_with, "the cut came after encoder a's rooms ended"
-    assert_served_after_heal(a, language, fresh, before, time.monotonic() - cut_at, "after-heal")
+    assert_served_after_heal(a, language, fresh, usual, time.monotonic() - cut_at, "after-heal")
     all_blocks_back(a, b, language)
 
 
@@ -513,6 +536,7 @@ def test_a_one_way_cut_is_caught_by_the_heartbeats(net, cluster, fresh, before, 
         return sum(bool(pattern.search(line)) for worker, pattern in declared.items() for line in worker.log)
 
     images = [fresh(1920, 1080) for _ in range(6)]
+    usual = before()
     dispatch_in_rotation(language, fresh)  # a gets parts: its /health was answered before the cut
     before_cut = deaths()
     try:
@@ -535,7 +559,7 @@ def test_a_one_way_cut_is_caught_by_the_heartbeats(net, cluster, fresh, before, 
         net.heal(sender)  # a failed test leaves no cut for the next
     assert statuses == [200] * 6, statuses
     assert elapsed < 240 + 3 * DETECTION_S, elapsed
-    assert_served_after_heal(a, language, fresh, before, time.monotonic() - cut_at, f"one-way-{tag}-after")
+    assert_served_after_heal(a, language, fresh, usual, time.monotonic() - cut_at, f"one-way-{tag}-after")
     all_blocks_back(a, b, language)
 
 
@@ -554,7 +578,8 @@ def test_a_language_host_cut_off_from_every_encoder_answers_503_then_recovers(ne
         refused = chat(language, fresh(), "cut-off-1")
         assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
         assert "no encoder answers /health" in refused.json()["error"]["message"], refused.text
-        assert time.monotonic() - started < 2 * 2 + 1  # each encoder probed once, 2 s each at most
+        # each encoder probed once, one after the other, each probe bounded; 3 s for the request itself
+        assert time.monotonic() - started < 2 * PROBE_TIMEOUT_S + 3
         text = requests.post(f"{language.url}/generate", timeout=120, json={
             "text": "Hello", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
         assert text.status_code == 200 and len(text.json()["output_ids"]) == 4
@@ -627,7 +652,7 @@ def stop_alone(worker: WorkerProcess, host) -> float:
     worker.proc.send_signal(signal.SIGINT)
     assert worker.proc.wait(30) in (0, -signal.SIGINT)
     took = time.monotonic() - stopped
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # what this catches is a process left for good
     while (left := subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()):
         assert time.monotonic() < deadline, [psutil.Process(int(pid)).cmdline() for pid in left]
         time.sleep(0.1)
@@ -645,7 +670,9 @@ def test_ctrl_c_right_after_a_4k_image_ends_the_encode_worker_within_2_s(net, wo
     idle = connector_idle(language)
     assert idle["free_blocks"] == idle["num_blocks"], idle
     took = stop_alone(encode, net["encoder"])
-    assert took < 2.0, f"the encode worker took {took:.2f}s to exit"
+    # the 2 s docs/flow_control.md promises: the close's own wait, then half a second for the signal,
+    # uvicorn's stop and the exit
+    assert took < CLOSE_WAIT_S + 0.5, f"the encode worker took {took:.2f}s to exit"
 
 
 def test_ctrl_c_ends_the_language_server_and_every_process_it_started(net, workers) -> None:

@@ -41,7 +41,7 @@ class Dispatch:
     def __init__(self, embedded: Embedded) -> None:
         self.embedded = embedded
 
-    async def embed(self, rid, images):
+    async def embed(self, rid, images, cache_salt=None):
         return self.embedded
 
 

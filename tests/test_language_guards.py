@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 
 import httpx
 import pytest
@@ -27,6 +28,8 @@ from worker_infra.trust import BootstrapAllowList
 pytestmark = pytest.mark.fast
 
 LIMIT = 1000
+HANDLER_WAIT_S = 30  # how long the stand-ins for SGLang's handlers wait while the scheduler is paused
+AT_ONCE_S = 20  # an answer within this did not wait for such a handler (below HANDLER_WAIT_S)
 
 
 def guarded_app() -> FastAPI:
@@ -71,7 +74,7 @@ def test_health_answers_at_once_while_asleep_and_reaches_sglangs_route_when_awak
     @app.get("/health")
     @app.get("/health_generate")
     async def health():  # as SGLang's: waits for a generated token, which a paused scheduler never makes
-        await asyncio.sleep(0 if not connector.asleep else 30)
+        await asyncio.sleep(0 if not connector.asleep else HANDLER_WAIT_S)
         return JSONResponse({}, status_code=200)
 
     @app.get("/is_sleeping")
@@ -82,7 +85,7 @@ def test_health_answers_at_once_while_asleep_and_reaches_sglangs_route_when_awak
 
     async def get(path: str) -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            return await asyncio.wait_for(client.get(path), 5)
+            return await asyncio.wait_for(client.get(path), AT_ONCE_S)
 
     assert asyncio.run(get("/health")).status_code == 200
     connector.asleep = True
@@ -103,7 +106,7 @@ def test_freeze_gc_is_deferred_to_the_wake_up_while_asleep() -> None:
 
     @app.post("/freeze_gc")
     async def freeze_gc():  # as SGLang's: asks the scheduler
-        await asyncio.sleep(0 if not connector.asleep else 30)
+        await asyncio.sleep(0 if not connector.asleep else HANDLER_WAIT_S)
         frozen.append(True)
         return JSONResponse({}, status_code=200)
 
@@ -111,7 +114,7 @@ def test_freeze_gc_is_deferred_to_the_wake_up_while_asleep() -> None:
 
     async def post_freeze() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            return await asyncio.wait_for(client.post("/freeze_gc"), 5)
+            return await asyncio.wait_for(client.post("/freeze_gc"), AT_ONCE_S)
 
     connector.asleep = True
     answer = asyncio.run(post_freeze())
@@ -198,7 +201,8 @@ def test_our_language_mode_gives_sglang_its_bounds_and_cpu_defaults(tmp_path) ->
     budget = cpu_kv_tokens(str(folder), memory=8 << 30)  # 2 x 4 x 2 x 64 x 2 = 2 KiB a token
     assert budget.bytes_per_token == 2048 and budget.tokens == 4 * 4096  # 4 contexts < 1 GiB's 512K tokens
     assert cpu_kv_tokens(str(folder), memory=64 << 20).tokens == (64 << 20) // 8 // 2048
-    ours = argparse.Namespace(model_path=str(folder), max_images_per_request=5, checkpoint_dir=None, kv_budget=budget)
+    ours = argparse.Namespace(model_path=str(folder), max_images_per_request=5, checkpoint_dir=None, kv_budget=budget,
+                              pd_role=None)
     argv = sglang_argv(["--disaggregation-mode", "language", "--model-path", str(folder), "--device", "cpu"], ours)
     assert argv[argv.index("--max-total-tokens") + 1] == str(budget.tokens)
     assert json.loads(argv[argv.index("--limit-mm-data-per-request") + 1]) == {"image": 5, "video": 5, "audio": 5}
@@ -206,6 +210,40 @@ def test_our_language_mode_gives_sglang_its_bounds_and_cpu_defaults(tmp_path) ->
     own = sglang_argv(["--language-only", "--limit-mm-data-per-request", '{"image": 2}', "--device", "cpu"],
                       argparse.Namespace(**{**vars(ours), "kv_budget": None}))
     assert own.count("--limit-mm-data-per-request") == 1 and "--max-total-tokens" not in own
+    prefill = sglang_argv(["--disaggregation-mode", "prefill", "--language-only", "--model-path", str(folder),
+                           "--device", "cpu"], argparse.Namespace(**{**vars(ours), "pd_role": "prefill"}))
+    assert prefill[prefill.index("--disaggregation-mode") + 1] == "prefill" and prefill.count("--language-only") == 1
+    assert "--sleep-on-idle" in prefill and "--enable-mixed-chunk" not in prefill  # no decode batch to mix
+
+
+def test_sglangs_pd_roles_get_the_cpu_path_where_the_user_set_none(tmp_path, monkeypatch) -> None:
+    """On a CPU a PD decode keeps its retraction backup in plain tensors, both roles get the CPU
+    backend, device and a KV pool sized to the machine, a prefill skips the early send of cached
+    prefixes; nothing the user set is changed."""
+    from sglang_ext.pd import EARLY_SEND_ENV, cpu_argv, cpu_environment, pd_role
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                                     "num_key_value_heads": 2, "hidden_size": 256,
+                                                     "max_position_embeddings": 4096}))
+    decode = cpu_argv(["--disaggregation-mode", "decode", "--model-path", str(folder)], "decode")
+    assert decode[decode.index("--disaggregation-decode-retraction-backup") + 1] == "cpu_tensor"
+    assert decode[decode.index("--attention-backend") + 1] == "torch_native"
+    assert decode[decode.index("--device") + 1] == "cpu"
+    assert int(decode[decode.index("--max-total-tokens") + 1]) == cpu_kv_tokens(str(folder)).tokens
+    mine = ["--disaggregation-mode", "decode", "--disaggregation-decode-retraction-backup", "none",
+            "--max-total-tokens", "999", "--attention-backend", "sdpa"]
+    assert cpu_argv(mine, "decode") == [*mine, "--device", "cpu", "--sleep-on-idle"]
+    assert cpu_argv([*mine, "--sleep-on-idle"], "decode").count("--sleep-on-idle") == 1
+    assert "--disaggregation-decode-retraction-backup" not in cpu_argv(["--model-path", str(folder)], "prefill")
+    assert [pd_role(["--disaggregation-mode", m]) for m in ("prefill", "decode", "language", "null")] == [
+        "prefill", "decode", None, None]
+    monkeypatch.delenv(EARLY_SEND_ENV, raising=False)
+    cpu_environment("decode")
+    assert EARLY_SEND_ENV not in os.environ
+    cpu_environment("prefill")
+    assert os.environ[EARLY_SEND_ENV] == "0"
 
 
 def test_the_two_request_flow_is_open_only_to_the_hosts_allowed_for_it() -> None:

@@ -16,6 +16,12 @@ from request_watchdog import RequestWatchdog
 
 pytestmark = pytest.mark.fast
 
+EVENTUALLY_S = 30.0  # a poll's deadline: what it catches is "never"
+# The silent server's connect succeeds at once (it accepts): a connect bound far above the 0.3 s
+# read timeout keeps the watchdog's deadline (connect + read + 1 s) well after the ReadTimeout,
+# however late this run gets to it, and costs nothing.
+SILENT_TIMEOUT = (10.0, 0.3)
+
 
 @pytest.fixture
 def answering_server():
@@ -44,9 +50,9 @@ def test_a_read_timeout_is_named_against_its_test(request, silent_port, answerin
         assert client.get(answering_server, timeout=5).text == "ok"
     assert WATCHDOG.recorded(request.node.nodeid) == []
     with pytest.raises(requests.exceptions.ReadTimeout):
-        requests.post(f"{silent_server}/generate", json={}, timeout=0.3)
+        requests.post(f"{silent_server}/generate", json={}, timeout=SILENT_TIMEOUT)
     with httpx.Client() as client, pytest.raises(httpx.ReadTimeout):
-        client.get(f"{silent_server}/v1/models", timeout=0.3)
+        client.get(f"{silent_server}/v1/models", timeout=httpx.Timeout(SILENT_TIMEOUT[1], connect=SILENT_TIMEOUT[0]))
     found = WATCHDOG.recorded(request.node.nodeid)
     assert len(found) == 2, found
     assert f"POST {silent_server}/generate" in found[0] and "ReadTimeout" in found[0]
@@ -59,15 +65,19 @@ def test_a_request_still_waiting_past_its_deadline_is_named_with_every_thread_st
     watchdog.start()
     try:
         watchdog.begin_test("t::hung", allowed=False)
+        err = ""
         with watchdog.track("POST http://127.0.0.1:1/generate", deadline_s=0.2):
-            time.sleep(0.6)  # the client is still waiting when the deadline passes
+            # the client is still waiting when the deadline passes, until the watchdog's report is out
+            deadline = time.monotonic() + EVENTUALLY_S
+            while "<worker logs>" not in err and time.monotonic() < deadline:
+                time.sleep(0.02)
+                err += capfd.readouterr().err
         with watchdog.track("GET http://127.0.0.1:1/health", deadline_s=5):
             pass  # answered in time
         found = watchdog.end_test("t::hung")
     finally:
         watchdog.stop()
     assert len(found) == 1 and "POST http://127.0.0.1:1/generate" in found[0] and "still no answer" in found[0]
-    err = capfd.readouterr().err
     assert "UNANSWERED" in err and "--- thread MainThread ---" in err and "<worker logs>" in err
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import zmq
-from conftest import RawLanguage
+from conftest import ManualClock, RawLanguage
 from test_early_resume import GatedTransport
 from test_faults import wait_for
 
@@ -21,11 +21,15 @@ from connector.config import ConnectorConfig
 from connector.failures import FailureKind, TransferFailure
 from connector.messages import AbortAckMsg, AbortMsg, InitMsg, ResumeMsg, StatusMsg
 from connector.poll import KVPoll
-from connector.sender import EmbeddingSender, EmbeddingSenderManager
+from connector.sender import HELD_WRITE_MAX_S, EmbeddingSender, EmbeddingSenderManager
 from connector.transport import WriteUnsettled
 from harness.connector_peer import synthetic_embedding
 
 pytestmark = pytest.mark.fast
+
+EVENTUALLY_S = 30.0  # a poll's deadline: what it catches is "never"
+TICKS = 0.8  # a few of the sender's 0.25 s housekeeping ticks: long enough to act, if it would
+PAUSE_S = 30.0  # the longest a pause waits here for writes in flight
 
 
 class FailingFirstWrite(GatedTransport):
@@ -69,9 +73,9 @@ def encoder(raw_language) -> Iterator:
     raw = raw_language
     made = []
 
-    def start(transport: GatedTransport):
+    def start(transport: GatedTransport, clock: Callable[[], float] = time.monotonic):
         sender = EmbeddingSenderManager(ConnectorConfig(num_blocks=64, hidden_size=64), transport,
-                                        BufferPool(64, 128, 64), allocator := BlockAllocator(64))
+                                        BufferPool(64, 128, 64), allocator := BlockAllocator(64), clock)
         dst = BufferPool(64, 128, 64)  # the gated transport writes here: it must outlive the sender
         made.append((sender, transport, dst))
         raw.connect(sender.rank_port)
@@ -101,7 +105,7 @@ def room_one_held_in_flight(encoder):
     raw.answer_ping()  # the first write to a new session waits for it
     # Inside the transport, not only planned: a write planned but not yet begun when its room
     # fails is skipped (nothing can land), and the Failed status rightly goes out at once.
-    assert transport.first_started.wait(5), "the write did not start"
+    assert transport.first_started.wait(EVENTUALLY_S), "the write did not start"
     return sender, allocator, start_room, transport, raw
 
 
@@ -114,7 +118,7 @@ def test_a_failed_status_waits_until_the_write_in_flight_has_landed(encoder) -> 
     msg = raw.expect()
     assert (msg.room, msg.status) == (1, KVPoll.Failed) and msg.reason.startswith("asleep: ")
     assert "went to sleep" in msg.reason
-    wait_for(allocator.all_free, 5, "the source blocks")
+    wait_for(allocator.all_free, EVENTUALLY_S, "the source blocks")
 
 
 def test_a_pause_that_times_out_leaves_the_encoder_writing(encoder) -> None:
@@ -125,7 +129,7 @@ def test_a_pause_that_times_out_leaves_the_encoder_writing(encoder) -> None:
     assert raw.expect() == StatusMsg(1, KVPoll.Success, 1200)
     start_room(2)  # before the fix the encoder stayed paused: no write, no timeout, for ever
     assert raw.expect() == StatusMsg(2, KVPoll.Success, 1200)
-    wait_for(allocator.all_free, 5, "the source blocks")
+    wait_for(allocator.all_free, EVENTUALLY_S, "the source blocks")
 
 
 def test_an_unexpected_write_error_fails_its_room_and_the_worker_goes_on(encoder) -> None:
@@ -135,11 +139,11 @@ def test_an_unexpected_write_error_fails_its_room_and_the_worker_goes_on(encoder
     msg = raw.expect()
     assert (msg.room, msg.status) == (1, KVPoll.Failed)
     assert "write failed unexpectedly: RuntimeError: engine handle vanished" in msg.reason
-    wait_for(allocator.all_free, 5, "room 1's source blocks")
+    wait_for(allocator.all_free, EVENTUALLY_S, "room 1's source blocks")
     for room in (2, 3, 4):  # more rooms than transfer workers: none of them died
         start_room(room)
         assert raw.expect() == StatusMsg(room, KVPoll.Success, 1200)
-    wait_for(allocator.all_free, 5, "the source blocks")
+    wait_for(allocator.all_free, EVENTUALLY_S, "the source blocks")
 
 
 def test_a_write_given_up_while_still_held_keeps_its_blocks_status_and_ack_until_it_settles(encoder) -> None:
@@ -152,7 +156,7 @@ def test_a_write_given_up_while_still_held_keeps_its_blocks_status_and_ack_until
     delivered = start_room(1).delivered
     raw.answer_ping()
     with pytest.raises(TransferFailure, match="transfer to language peer 127.0.0.1:.* not settled after 10.0s"):
-        delivered.result(5)
+        delivered.result(EVENTUALLY_S)
     raw.send(AbortMsg(1, "127.0.0.1", raw.port, raw.generation))
     assert raw.recv(0.5) is None, "a Failed status or an ack went out while the write was held"
     assert not allocator.all_free(), "the source blocks were freed while Mooncake could still read them"
@@ -161,28 +165,30 @@ def test_a_write_given_up_while_still_held_keeps_its_blocks_status_and_ack_until
     msg = raw.expect()
     assert (msg.room, msg.status) == (1, KVPoll.Failed) and "not settled" in msg.reason
     assert raw.expect() == AbortAckMsg(1, raw.generation)
-    wait_for(allocator.all_free, 5, "the source blocks")
+    wait_for(allocator.all_free, EVENTUALLY_S, "the source blocks")
     assert transport._calls == 1, "a held write was written once more"
     start_room(2)  # the worker goes on
     assert raw.expect() == StatusMsg(2, KVPoll.Success, 1200)
 
 
-def test_a_write_held_past_the_limit_frees_its_room(encoder, monkeypatch) -> None:
+def test_a_write_held_past_the_limit_frees_its_room(encoder) -> None:
     start, raw = encoder
-    monkeypatch.setattr("connector.sender.HELD_WRITE_MAX_S", 1.0)
-    sender, allocator, start_room = start(HeldFirstWrite())
+    clock = ManualClock()  # the limit is crossed by moving the sender's clock, not by waiting it out
+    sender, allocator, start_room = start(HeldFirstWrite(), clock)
     start_room(1)
     raw.answer_ping()
-    wait_for(lambda: sender.stats["writes_held"] == 1, 5, "the write to be given up on")
+    wait_for(lambda: sender.stats["writes_held"] == 1, EVENTUALLY_S, "the write to be given up on")
     raw.send(AbortMsg(1, "127.0.0.1", raw.port, raw.generation))
-    assert raw.recv(0.5) is None, "a Failed status or an ack went out while the write was held"
+    clock.advance(HELD_WRITE_MAX_S - 1)
+    assert raw.recv(TICKS) is None, "a Failed status or an ack went out while the write was held"
+    assert not allocator.all_free(), "the source blocks were freed before the limit"
+    clock.advance(2)
     msg = raw.expect()  # after the limit, though it never settled
     assert (msg.room, msg.status) == (1, KVPoll.Failed)
     assert raw.expect() == AbortAckMsg(1, raw.generation)
-    wait_for(allocator.all_free, 5, "the source blocks")
+    wait_for(allocator.all_free, EVENTUALLY_S, "the source blocks")
 
 
-@pytest.mark.serial  # timed: refused within 1 s, not after the held write
 def test_a_pause_is_refused_at_once_while_a_write_is_held(encoder) -> None:
     """The encode worker's sleep waits for writes in flight; a held one may take minutes."""
     start, raw = encoder
@@ -190,14 +196,14 @@ def test_a_pause_is_refused_at_once_while_a_write_is_held(encoder) -> None:
     sender, allocator, start_room = start(transport)
     start_room(1)
     raw.answer_ping()
-    wait_for(lambda: sender.stats["writes_held"] == 1, 5, "the write to be given up on")
+    wait_for(lambda: sender.stats["writes_held"] == 1, EVENTUALLY_S, "the write to be given up on")
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"Mooncake still holds writes given up on \(rooms 1\)"):
-        sender.pause()
-    assert time.monotonic() - started < 1
+        sender.pause(timeout=PAUSE_S)
+    assert time.monotonic() - started < PAUSE_S / 2  # refused, not waited out: halfway to the pause's timeout
     transport.release.set()
     assert raw.expect().status == KVPoll.Failed
-    sender.pause(timeout=5)  # settled: nothing in flight
+    sender.pause(timeout=PAUSE_S)  # settled: nothing in flight
 
 
 def test_destinations_with_unequal_allocations_get_the_same_round() -> None:
@@ -230,7 +236,7 @@ def test_destinations_with_unequal_allocations_get_the_same_round() -> None:
             dst.read_into(list(range(10)) + list(range(20, 26)), out, 0, 2000)
             out.aux[:] = dst.aux[0]
             assert out.digests() == emb.digests()
-        wait_for(allocator.all_free, 5, "the source blocks")
+        wait_for(allocator.all_free, EVENTUALLY_S, "the source blocks")
     finally:
         sender.close()
         for raw, _ in peers:

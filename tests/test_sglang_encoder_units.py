@@ -12,6 +12,7 @@ import pytest
 import sglang_stack
 import torch
 from make_checkpoint import write_qwen3_vl_checkpoint
+from monolithic import bf16_step
 from PIL import Image
 from transfer_large_image import make_image
 
@@ -60,7 +61,10 @@ def test_rows_equal_transformers_tower(encoder, folder) -> None:
     expected = torch.cat([torch.cat(out.pooler_output), *(torch.cat(f) for f in out.deepstack_features)], dim=1).float()
     got = rows(encoder.encode([picture]))
     assert got.shape == expected.shape
-    assert (got - expected).abs().max() <= 0.02 * expected.abs().max(), (got - expected).abs().max()
+    # The same tower in another order and other kernels: each side rounds its last product to bf16,
+    # within one step of its row's largest value of the exact one, so the two are within two steps.
+    steps = ((got - expected).abs() / bf16_step(expected.abs().max(dim=1, keepdim=True).values)).max()
+    assert steps <= 2, f"an element {float(steps):.2f} bf16 steps (of its row's largest value) away"
 
 
 def test_token_counts_before_encoding_are_the_encoders(encoder) -> None:
@@ -129,7 +133,7 @@ def test_encoder_argv_is_sglangs_encoder_only_mode() -> None:
             "--mm-attention-backend", "sdpa", "--num-blocks", "8", "--device", "cpu"]
     assert encoder_argv(argv) == ["--model-path", "m", "--mm-attention-backend", "sdpa", "--num-blocks", "8",
                                   "--device", "cpu", "--encoder-only", "--encoder-transfer-backend",
-                                  "zmq_to_tokenizer"]
+                                  "zmq_to_tokenizer", "--disable-radix-cache"]
 
 
 def test_a_processor_without_qwen_geometry_is_refused() -> None:

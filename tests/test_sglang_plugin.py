@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import pytest
 
 from sglang_ext.cpu.gemm import slow_bf16
+from sglang_ext.language_flags import cpu_kv_tokens
+from sglang_ext.pd import PD_ROLES
 
 pytestmark = pytest.mark.sglang
 
@@ -74,8 +76,20 @@ LANGUAGE_MODES = {"mode": ("--disaggregation-mode", "language"), "language_only"
 SGLANG_MODES = ("null", "prefill", "decode")
 
 
+# What the plugin gives SGLang's PD roles on a CPU where the user set nothing (sglang_ext/pd.py)
+PD_CPU_FLAGS = ("--attention-backend", "torch_native", "--device", "cpu", "--sleep-on-idle")
+RETRACTION_ON_CPU = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
+
+
 def sglang_mode_argv(mode: str) -> tuple[str, ...]:
-    return "--model-path", "/models/llm", "--disaggregation-mode", mode, "--port", "30001"
+    """SGLang's own modes with every flag the plugin would default on a CPU given."""
+    given = {"null": (), "prefill": (*PD_CPU_FLAGS, "--max-total-tokens", "32768"),
+             "decode": (*PD_CPU_FLAGS, "--max-total-tokens", "32768", *RETRACTION_ON_CPU)}[mode]
+    return "--model-path", "/models/llm", "--disaggregation-mode", mode, "--port", "30001", *given
+
+
+def pd_argv(checkpoint: str, role: str) -> tuple[str, ...]:
+    return "--model-path", checkpoint, "--disaggregation-mode", role, "--port", "30001"
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +112,18 @@ def parsed(checkpoint) -> dict[str, Parsed]:
     cases |= {f"default-{name}": ("--model-path", checkpoint, *mode, "--encoder-urls", "http://10.0.0.1:30001", "--port",
                                   "31241", "--embedding-cache-buffer-size", "40") for name, mode in LANGUAGE_MODES.items()}
     cases |= {f"sglang-{mode}": sglang_mode_argv(mode) for mode in SGLANG_MODES}
+    cases |= {f"pd-{role}": pd_argv(checkpoint, role) for role in PD_ROLES}
     return parse_all(cases)
 
 
 @pytest.fixture(scope="module")
-def parsed_without_plugin() -> dict[str, Parsed]:
-    return parse_all({f"sglang-{mode}": sglang_mode_argv(mode) for mode in SGLANG_MODES}, plugins="none-at-all")
+def parsed_without_plugin(checkpoint) -> dict[str, Parsed]:
+    """SGLang's own modes without the plugin; its PD roles with the CPU defaults written out."""
+    kv = ("--max-total-tokens", str(cpu_kv_tokens(checkpoint).tokens))
+    cases = {f"sglang-{mode}": sglang_mode_argv(mode) for mode in SGLANG_MODES}
+    cases |= {f"pd-{role}": (*pd_argv(checkpoint, role), *PD_CPU_FLAGS, *kv,
+                             *(RETRACTION_ON_CPU if role == "decode" else ())) for role in PD_ROLES}
+    return parse_all(cases, plugins="none-at-all")
 
 
 def test_help_lists_our_modes_and_flags_with_defaults_and_pool_bytes() -> None:
@@ -224,6 +244,17 @@ def test_sglang_modes_parse_exactly_as_without_the_plugin(parsed, parsed_without
     assert "WORKER " not in with_plugin.stdout
 
 
+@pytest.mark.parametrize("role", PD_ROLES)
+def test_sglangs_pd_roles_get_the_cpu_path_on_a_cpu(parsed, parsed_without_plugin, role: str) -> None:
+    """A prefill or decode started with nothing set parses as SGLang without the plugin parses the
+    same command with the CPU defaults written out (the retraction backup in plain tensors on the
+    decode, the CPU backend and device, a KV pool sized to the machine)."""
+    with_plugin, without = parsed[f"pd-{role}"], parsed_without_plugin[f"pd-{role}"]
+    assert with_plugin.returncode == without.returncode == 0, with_plugin.stderr[-2000:]
+    assert line(with_plugin.stdout, "SGLANG") == line(without.stdout, "SGLANG")
+    assert "WORKER " not in with_plugin.stdout
+
+
 def test_an_invalid_mode_is_still_rejected_by_sglang(parsed) -> None:
     res = parsed["bogus"]
     assert res.returncode == 2
@@ -246,15 +277,19 @@ def test_unsupported_sglang_version_gives_one_clear_error(monkeypatch) -> None:
 
 @pytest.mark.serial
 def test_the_plugin_costs_nothing_in_other_sglang_processes() -> None:
+    """``register()`` in a process of another mode imports none of our modules (nor torch or
+    transformers anew); its CPU time (which a cold page cache or a busy machine does not add to)
+    is about 6 ms here, where importing the connector and the language worker would take about
+    230 ms: the bound lies between, 16 times the first."""
     code = ("import sys, time, sglang.srt.server_args\n"
             "before = set(sys.modules)\n"
-            "t = time.perf_counter()\n"
+            "t = time.process_time()\n"
             "from sglang_ext.plugin import register\n"
             "register()\n"
-            "print(round((time.perf_counter() - t) * 1000, 2), sorted(set(sys.modules) - before))\n")
+            "print(round((time.process_time() - t) * 1000, 2), sorted(set(sys.modules) - before))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.split(" ", 1)
     millis, new_modules = float(out[0]), out[1]
-    assert millis < 50, f"register() took {millis} ms"
+    assert millis < 100, f"register() took {millis} ms of CPU"
     assert not re.search(r"'(connector|embedding_side|language_side|torch|transformers|sglang_ext\.args)\b", new_modules)
 
 

@@ -6,6 +6,7 @@ one never sent is removed when its request ends; a cancelled handover leaves not
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from sglang_ext import shm_handover
 pytestmark = pytest.mark.fast
 
 SHM = Path("/dev/shm")
+EVENTUALLY_S = 30.0  # a poll's deadline: what it catches is "never"
 
 
 def item(seed: int = 0, rows: int = 512) -> MultimodalDataItem:
@@ -52,7 +54,8 @@ def test_a_segment_never_sent_is_removed_when_its_request_ends() -> None:
 
 
 def test_a_cancelled_handover_leaves_no_segment() -> None:
-    before = set(SHM.glob("sgl_shm_mm_*"))
+    ours = f"sgl_shm_mm_{os.getpid()}_*"  # made here (the name carries its maker's pid), not by servers beside us
+    before = set(SHM.glob(ours))
 
     async def cancelled() -> None:
         handing = asyncio.ensure_future(shm_handover.hand_over([item(3, rows=20_000), item(4)]))
@@ -62,10 +65,10 @@ def test_a_cancelled_handover_leaves_no_segment() -> None:
             await handing
 
     asyncio.run(cancelled())
-    deadline = time.monotonic() + 10
-    while set(SHM.glob("sgl_shm_mm_*")) - before and time.monotonic() < deadline:
+    deadline = time.monotonic() + EVENTUALLY_S
+    while set(SHM.glob(ours)) - before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not set(SHM.glob("sgl_shm_mm_*")) - before
+    assert not set(SHM.glob(ours)) - before
 
 
 def test_with_dev_shm_full_the_item_keeps_its_rows_for_sglang(monkeypatch) -> None:

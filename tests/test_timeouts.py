@@ -18,6 +18,7 @@ from connector.poll import KVPoll
 pytestmark = [pytest.mark.fast, pytest.mark.transports("memory")]
 
 TICKS = 0.8  # a few of the managers' 0.25 s housekeeping ticks: long enough to act, if they would
+EVENTUALLY_S = 30.0  # a poll's deadline once the clock passed a timeout: what it catches is "never"
 
 
 def stays(predicate, what: str) -> None:
@@ -34,10 +35,10 @@ def test_the_encoder_waits_300s_for_a_resume_and_then_fails_the_room(make_peer, 
     clock.advance(299)
     stays(lambda: peer.call("status", room=1)["status"] == "Transferring", "failed before its resume timeout")
     clock.advance(2)
-    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the resume timeout")
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, EVENTUALLY_S, "the resume timeout")
     with pytest.raises(TransferFailure, match="no resume within 300s"):
         receiver.failure_exception()
-    wait_for(lang.allocator.all_free, 5, "the language pool to be free")
+    wait_for(lang.allocator.all_free, EVENTUALLY_S, "the language pool to be free")
 
 
 def test_the_encoder_waits_300s_for_data_and_for_an_init_and_then_fails_each_room(make_peer, make_language) -> None:
@@ -45,18 +46,18 @@ def test_the_encoder_waits_300s_for_data_and_for_an_init_and_then_fails_each_roo
     peer, lang = make_peer(clock=clock, bootstrap_timeout=300), make_language()
     receiver = start_room(lang, peer, 77, 4)  # initialised, but the encoder never gets the data
     # its deadline starts when the init arrives: on a loaded machine that may be after a clock move
-    wait_for(lambda: peer.call("stats")["active_rooms"] == 1, 5, "the init to reach the encoder")
+    wait_for(lambda: peer.call("stats")["active_rooms"] == 1, EVENTUALLY_S, "the init to reach the encoder")
     peer.call("stage", room=78, tokens=300, seed=1)  # staged, but never initialised
     clock.advance(299)
     stays(lambda: receiver.poll() != KVPoll.Failed and peer.call("status", room=78)["status"] != "Failed",
           "failed before the bootstrap timeout")
     clock.advance(2)
-    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the bootstrap timeout")
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, EVENTUALLY_S, "the bootstrap timeout")
     with pytest.raises(TransferFailure, match="timeout: .*bootstrap, no encoded data within 300s"):
         receiver.failure_exception()
-    wait_for(lambda: peer.call("status", room=78)["status"] == "Failed", 5, "the staged room to time out")
+    wait_for(lambda: peer.call("status", room=78)["status"] == "Failed", EVENTUALLY_S, "the staged room to time out")
     assert "bootstrap, no init within 300s" in peer.call("status", room=78)["reason"]
-    wait_for(lang.allocator.all_free, 5, "the language pool to be free")
+    wait_for(lang.allocator.all_free, EVENTUALLY_S, "the language pool to be free")
 
 
 def test_a_room_no_encode_request_claims_gives_its_blocks_back_at_the_join_wait(make_peer, make_language) -> None:
@@ -67,7 +68,7 @@ def test_a_room_no_encode_request_claims_gives_its_blocks_back_at_the_join_wait(
     peer, lang = make_peer(bootstrap_timeout=3600), make_language(clock=clock, waiting_timeout=300, join_timeout=15)
     receiver = start_room(lang, peer, 6, 8)
     assert_aborts_at(clock, receiver, 15, "timeout: encode peer .* has no encode request for room 6")
-    wait_for(lang.allocator.all_free, 5, "the abort ack")
+    wait_for(lang.allocator.all_free, EVENTUALLY_S, "the abort ack")
 
 
 def assert_aborts_at(clock: ManualClock, receiver, seconds: float, reason: str) -> None:
@@ -75,7 +76,7 @@ def assert_aborts_at(clock: ManualClock, receiver, seconds: float, reason: str) 
     clock.advance(seconds - 1)
     stays(lambda: receiver.poll() != KVPoll.Failed, f"aborted before {seconds}s")
     clock.advance(2)
-    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, f"the abort at {seconds}s")
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, EVENTUALLY_S, f"the abort at {seconds}s")
     with pytest.raises(TransferFailure, match=reason):
         receiver.failure_exception()
 
@@ -86,8 +87,8 @@ def test_the_language_side_waits_300s_for_data_and_then_aborts_and_gets_its_bloc
     peer, lang = make_peer(bootstrap_timeout=3600), make_language(clock=clock, waiting_timeout=300)
     peer.call("claim", room=5)  # an encode request owns the room: the encoder says so at the init
     receiver = start_room(lang, peer, 5, 8)
-    wait_for(lambda: receiver.machine.heard, 5, "the encoder to say it has the room")
+    wait_for(lambda: receiver.machine.heard, EVENTUALLY_S, "the encoder to say it has the room")
     assert_aborts_at(clock, receiver, 300, "timeout: no data from encode peer .* within 300s")
-    wait_for(lang.allocator.all_free, 5, "the abort ack")
+    wait_for(lang.allocator.all_free, EVENTUALLY_S, "the abort ack")
     assert lang.manager.stats["abort_acked"] == 1  # the encoder acked: its clock never moved
     assert peer.call("stats")["counters"].get("failed:aborted") == 1  # the encoder heard the abort

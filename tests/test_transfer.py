@@ -129,7 +129,9 @@ def test_a_spill_copies_outside_the_managers_lock(make_peer, make_language, monk
 
 
 def _try_lock(lock) -> bool:  # noqa: ANN001
-    if not lock.acquire(timeout=1.0):
+    # Held across the copy, it never comes free while the copy waits for this: a long wait only
+    # delays that failure, and a thread holding it for a moment, descheduled, lets it go in time.
+    if not lock.acquire(timeout=30.0):
         return False
     lock.release()
     return True

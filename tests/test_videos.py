@@ -146,11 +146,11 @@ def test_when_the_images_fail_the_videos_of_the_request_are_cancelled() -> None:
     cancelled = []
 
     class Dispatch:
-        async def embed(self, rid, images):
+        async def embed(self, rid, images, cache_salt=None):
             await asyncio.sleep(0.05)
             raise ImageRefused(FailureKind.BAD_REQUEST, "encoder refused the image")
 
-        async def embed_media(self, rid, videos, modality):
+        async def embed_media(self, rid, videos, modality, cache_salt=None):
             try:
                 await asyncio.sleep(60)
             except asyncio.CancelledError:
@@ -160,7 +160,8 @@ def test_when_the_images_fail_the_videos_of_the_request_are_cancelled() -> None:
     receiver = ResumableReceiver(Dispatch(), None)
     request = SimpleNamespace(rid="both", audio_data=None, image_data=["a.png"], video_data=["v.mp4"])
     with pytest.raises(EmbeddingUnavailable, match="encoder refused the image"):
-        asyncio.run(asyncio.wait_for(receiver.recv_mm_data(request, None, "prompt"), 10))
+        # halfway to the videos' 60 s: what the request would wait for without the cancel
+        asyncio.run(asyncio.wait_for(receiver.recv_mm_data(request, None, "prompt"), 30))
     assert cancelled == ["both"] and not receiver._embedding
 
 

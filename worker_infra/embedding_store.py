@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import enum
 import hashlib
 import hmac
@@ -52,7 +53,6 @@ MAX_HEADER_BYTES = 1 << 20  # a grid and per-frame timestamps fit in far less
 RETRY_AFTER_S = 5.0  # how long an unavailable store is skipped before the next try
 MAX_PENDING_PUTS = 4  # entries waiting to be written; more are dropped
 STORE_THREADS = 4  # calls in flight at once (one stuck call does not hold the others)
-_LEFT_OPEN: list = []  # clients closed by the process's end (see EmbeddingStore.close)
 KEY_PREFIX = "epd-emb"
 P2P_METADATA = "P2PHANDSHAKE"  # peers tell each other their segments (the connector's engine's metadata)
 LOCAL_BUFFER_BYTES = 16 << 20  # the client's staging for put() and get(), which this module does not use
@@ -66,6 +66,18 @@ RPC_FAIL = -900  # the master does not answer
 def media_key(modality: str, digest: str, fingerprint: str) -> str:
     """The key of one item's embedding: what the bytes are and what encoded them."""
     return f"{KEY_PREFIX}/{modality}/{digest}/{fingerprint}"
+
+
+MAX_CACHE_SALT_CHARS = 1024  # a tenant's name, not a payload: both roles refuse a longer one (4xx)
+
+
+def salted(fingerprint: str, cache_salt: str | None) -> str:
+    """The fingerprint a request's entries are keyed under: the encoder's, or with SGLang's
+    ``cache_salt`` one of that salt's own, so no request reads (or learns of) an entry another salt
+    wrote, in any cache (this worker's or the cluster's), as SGLang's radix cache keeps salts apart."""
+    if not cache_salt:
+        return fingerprint
+    return f"{fingerprint}.{hashlib.sha256(f'{fingerprint}|{cache_salt}'.encode()).hexdigest()[:32]}"
 
 
 class EntryRejected(ValueError):
@@ -219,6 +231,9 @@ class EmbeddingStore:
         except Exception as exc:  # noqa: BLE001 - any failure of Mooncake's set-up: go on without the cache
             self._become(StoreState.UNAVAILABLE, f"set-up failed: {exc}")
             return
+        # Never destroyed: its destructor unmounts the memory it lent with the master, holding the
+        # GIL all the while (16 s measured with the master gone), at the interpreter's exit too
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
         self._client = client
         self._become(StoreState.AVAILABLE)
 
@@ -323,13 +338,10 @@ class EmbeddingStore:
             self._calls.submit(self._client.remove, key, True)  # forced: the read's lease would keep it
 
     def close(self) -> None:
-        """Stop using the store. The client itself is left to the process's end: its ``close()``
-        (and its destructor) unmount the memory it lent with the master, holding the GIL all the
-        while (16 s measured with the master gone, every thread of the worker stopped); the
-        master drops the memory of a client that went silent after its ``client_ttl`` (10 s), and
-        readers meanwhile count those entries as misses."""
+        """Stop using the store. The client itself is never closed nor destroyed (see
+        :meth:`_connect`): the master drops the memory of a client that went silent after its
+        ``client_ttl`` (10 s), and readers meanwhile count those entries as misses."""
         self._calls.shutdown(wait=False, cancel_futures=True)
-        _LEFT_OPEN.append(self._client)
         self._client = None
 
 
