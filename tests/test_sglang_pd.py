@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import requests
-from monolithic import greedy_mismatch
+from monolithic import greedy_mismatch, long_run_mismatch
 from sglang_stack import (
     NEW_TOKENS,
     SGLANG_LAUNCH,
@@ -232,6 +232,80 @@ def test_48_clients_at_once_through_the_router_each_get_transformers_ids_and_eve
     assert metric(epd.encode, 'epd_encoder_items_total{source="encoded"}') - encoded_before == LOAD_CLIENTS
     for name, answer in zip(names, answers, strict=True):
         assert greedy_mismatch(answer.json()["output_ids"], reference([images[name]])) is None, name
+    pools_whole(epd, epd.prefill, epd.decode)
+
+
+SLEEP_TOKENS = 200  # the long answer's: a decode of some seconds, for a sleep to land mid-decode
+
+
+def decode_batches(decode: WorkerProcess) -> int:
+    return sum("Decode batch" in line for line in decode.log)
+
+
+def sleep_both(epd, level: int) -> None:
+    """The prefill (our ``/sleep``: SGLang's pause extended to the connector) and the decode
+    (SGLang's own ``/pause_generation``, plus ``/release_memory_occupation`` at level 2), at once."""
+    mode = "in_place" if level == 1 else "retract"
+    with ThreadPoolExecutor(2) as pool:
+        prefill = pool.submit(requests.post, f"{epd.prefill.url}/sleep",
+                              params={"level": level, "preserve_state": "true"}, timeout=120)
+        decode = pool.submit(requests.post, f"{epd.decode.url}/pause_generation", json={"mode": mode}, timeout=120)
+        assert prefill.result().status_code == 200, prefill.result().text
+        assert decode.result().status_code == 200, decode.result().text
+    assert prefill.result().json()["is_sleeping"], prefill.result().json()
+    if level == 2:
+        released = requests.post(f"{epd.decode.url}/release_memory_occupation", json={}, timeout=120)
+        assert released.status_code == 200, released.text
+
+
+def wake_both(epd, level: int) -> None:
+    if level == 2:
+        resumed = requests.post(f"{epd.decode.url}/resume_memory_occupation", json={}, timeout=120)
+        assert resumed.status_code == 200, resumed.text
+    woke = requests.post(f"{epd.decode.url}/continue_generation", json={}, timeout=120)
+    assert woke.status_code == 200, woke.text
+    woke = requests.post(f"{epd.prefill.url}/wake_up", timeout=120)
+    assert woke.status_code == 200 and woke.json()["is_sleeping"] is False, woke.text
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_sleep_of_prefill_and_decode_mid_transfer_and_mid_decode_keeps_every_token(epd, images, reference,
+                                                                                     level) -> None:
+    """Prefill and decode asleep at once while one request decodes (a long answer, its decode
+    batches under way) and another's 3840x2160 image is in transfer from the encoder to the
+    prefill: neither answers while they sleep; after the wake-up both end with the ids the same
+    requests got unslept, which equal transformers' (the long one as ``long_run_mismatch``
+    compares a long run), and every pool is whole."""
+    def bodies() -> tuple[dict, dict]:
+        return ({"text": prompt(1), "image_data": [images["1920x1080"]],
+                 "sampling_params": {"max_new_tokens": SLEEP_TOKENS, "temperature": 0, "ignore_eos": True}},
+                {"text": prompt(1), "image_data": [images["3840x2160"]],
+                 "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
+
+    unslept = [requests.post(f"{epd.router}/generate", json=body, timeout=300) for body in bodies()]
+    assert all(answer.status_code == 200 for answer in unslept), [answer.text[:300] for answer in unslept]
+    long_body, large_body = bodies()
+    with ThreadPoolExecutor(2) as pool:
+        decoding = decode_batches(epd.decode)
+        long = pool.submit(requests.post, f"{epd.router}/generate", json=long_body, timeout=300)
+        wait_for(lambda: decode_batches(epd.decode) > decoding or long.done(), 120, "the long answer's decode")
+        large = pool.submit(requests.post, f"{epd.router}/generate", json=large_body, timeout=300)
+        wait_for(lambda: connector_health(epd.prefill)["transferring"] or large.done(), 120, "the 4K transfer")
+        assert not long.done() and not large.done(), "a request ended before the sleep"
+        sleep_both(epd, level)
+        time.sleep(0.5)  # a decode step under way at the pause may still log
+        paused = decode_batches(epd.decode)
+        time.sleep(2.0)
+        assert not long.done() and not large.done(), "a request ended while asleep"
+        assert decode_batches(epd.decode) == paused, "the decode went on while asleep"
+        wake_both(epd, level)
+        answers = [long.result(), large.result()]
+    for answer, before in zip(answers, unslept, strict=True):
+        assert answer.status_code == 200, answer.text[:300]
+        assert answer.json()["output_ids"] == before.json()["output_ids"]
+    why, _ = long_run_mismatch(answers[0].json()["output_ids"], reference([images["1920x1080"]], SLEEP_TOKENS))
+    assert why is None, why
+    assert greedy_mismatch(answers[1].json()["output_ids"], reference([images["3840x2160"]])) is None
     pools_whole(epd, epd.prefill, epd.decode)
 
 
