@@ -106,6 +106,8 @@ HEAD_SEEDS: dict[tuple[str, int, int, int], int] = {
     ("qwen2_5_vl", 256, 2, 0): 993,  # the SGLang tests' and the main job's --quick checkpoint
     ("qwen2_5_vl", 3584, 1, 0): 99,  # the main job's default checkpoint
     ("qwen3_vl", 256, 2, 0): 20,
+    ("qwen2_vl", 256, 2, 0): 6,
+    ("qwen3_vl_moe", 256, 2, 0): 5,
     ("minimax_m3_vl", 256, 2, 0): 189,
     ("qwen2_audio", 256, 2, 0): 21,
 }
@@ -151,7 +153,8 @@ def decisive_language_model(model, family: str, seed: int, layers: int, norm_off
     random 512-way head often has its top two within that (the top two of 512 Gaussian logits
     are close): two bf16 implementations part at random steps. Here instead:
 
-    * every linear layer of the language model is drawn at unit scale (std 1/sqrt(inputs); times
+    * every linear layer of the language model (a mixture's router and fused experts too) is drawn
+      at unit scale (std 1/sqrt(inputs); times
       :data:`QK_GAIN`, :data:`ATTENTION_OUT_GAIN`, :data:`MLP_OUT_GAIN`), the token embeddings at
       std 1: activations stay near 1, and bf16 rounding moves the final hidden state ~0.5%
       (u.h by ~0.005, at most ~0.04 over the tests' steps);
@@ -184,6 +187,14 @@ def decisive_language_model(model, family: str, seed: int, layers: int, norm_off
                     module.weight[:states] = 0
             elif leaf in ("q_norm", "k_norm"):  # normalized queries and keys: their norms set the score scale
                 module.weight.copy_((module.weight + norm_offset) * QK_GAIN - norm_offset)
+            elif leaf == "experts" and hasattr(module, "gate_up_proj"):  # fused experts: [experts, out, in] each
+                module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=generator)
+                                          / module.gate_up_proj.shape[-1] ** 0.5)
+                down = torch.randn(module.down_proj.shape, generator=generator) / module.down_proj.shape[-1] ** 0.5
+                module.down_proj.copy_(down * MLP_OUT_GAIN)
+                module.down_proj[:, :states] = 0
+            elif leaf == "gate" and isinstance(getattr(module, "weight", None), torch.nn.Parameter):  # a router
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) / module.weight.shape[-1] ** 0.5)
         embed = model.get_input_embeddings().weight
         embed.copy_(torch.randn(embed.shape, generator=generator))
         embed[:, :states] = 0  # no other token on the state coordinates either

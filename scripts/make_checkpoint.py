@@ -1,4 +1,4 @@
-"""Write a complete seeded Qwen2.5-VL (or Qwen3-VL, Qwen3.5, or MiniMax-M3-VL: ``checkpoint_minimax.py``,
+"""Write a complete seeded Qwen2.5-VL (or Qwen2-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, or MiniMax-M3-VL: ``checkpoint_minimax.py``,
 or Qwen2-Audio: ``checkpoint_qwen2_audio.py``) checkpoint folder: vision tower, language model, an offline tokenizer with the family's special
 tokens and a chat template, and the image (and video) preprocessor configs.
 
@@ -10,7 +10,8 @@ language model answers in 16 letters, each step's letter decided far above bf16 
 the media (:func:`decisive_language_model`), so that comparison can demand equal ids.
 
     python scripts/make_checkpoint.py /tmp/qwen-seeded [--hidden-size 2048] [--seed 0] [--layers 28]
-    python scripts/make_checkpoint.py /tmp/qwen3-seeded --family qwen3_vl
+    python scripts/make_checkpoint.py /tmp/qwen3-seeded --family qwen3_vl   # or qwen3_vl_moe
+    python scripts/make_checkpoint.py /tmp/qwen2-seeded --family qwen2_vl
     python scripts/make_checkpoint.py /tmp/qwen3.5-seeded --family qwen3_5   # or qwen3_5_moe
     python scripts/make_checkpoint.py /tmp/minimax-seeded --family minimax_m3_vl
     python scripts/make_checkpoint.py /tmp/qwen2-audio-seeded --family qwen2_audio
@@ -74,13 +75,18 @@ def write_checkpoint(folder: str | Path, hidden_size: int = 3584, seed: int = 0,
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     decisive_language_model(model, "qwen2_5_vl", seed, layers)
     model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    write_qwen2_processor(folder)
+    return folder
+
+
+def write_qwen2_processor(folder: Path) -> None:
+    """Qwen2-VL's and Qwen2.5-VL's image processor config (14 px patches, the hub's pixel bounds)."""
     preprocessor = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": PATCH, "merge_size": MERGE,
                     "temporal_patch_size": TEMPORAL, "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
                     "image_mean": [0.48145466, 0.4578275, 0.40821073],
                     "image_std": [0.26862954, 0.26130258, 0.27577711], "do_resize": True, "do_rescale": True,
                     "do_normalize": True, "do_convert_rgb": True, "rescale_factor": 1 / 255}
     (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=1))
-    return folder
 
 
 # A small Qwen3-VL: 16 px patches, a learned position table, two deepstack layers (so SGLang's
@@ -92,10 +98,36 @@ QWEN3_VISION = dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128,
                     temporal_patch_size=TEMPORAL, num_position_embeddings=2304, deepstack_visual_indexes=[0, 1])
 
 
-def write_qwen3_vl_checkpoint(folder: str | Path, seed: int = 0) -> Path:
-    """A seeded Qwen3-VL folder (see :data:`QWEN3_VISION`), with its image and video processor configs."""
+# Qwen3-VL-MoE's language model: 4 experts a layer, 2 a token (an expert's width unlike the
+# model's, so that no expert matrix is square and its layout cannot be mistaken)
+QWEN3_VL_MOE = {"num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                "decoder_sparse_step": 1}
+FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def write_hub_expert_layout(folder: Path) -> None:
+    """The fused expert weights as the hub's Qwen3-VL-MoE checkpoints hold them ([experts, in, out]:
+    what SGLang's loader and transformers' conversion on load both take); transformers saves them
+    in its own [experts, out, in]."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(FUSED_EXPERTS)]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def write_qwen3_vl_checkpoint(folder: str | Path, seed: int = 0, moe: bool = False) -> Path:
+    """A seeded Qwen3-VL (``moe``: Qwen3-VL-MoE) folder (see :data:`QWEN3_VISION`), with its image
+    and video processor configs."""
     import torch
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import (
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
+    )
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -105,14 +137,19 @@ def write_qwen3_vl_checkpoint(folder: str | Path, seed: int = 0) -> Path:
             "rms_norm_eps": 1e-6, "hidden_act": "silu", "initializer_range": TEXT_INIT,
             "rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
                                 "mrope_interleaved": True},
-            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}
-    config = Qwen3VLConfig(text_config=text, vision_config=QWEN3_VISION, image_token_id=ids["<|image_pad|>"],
-                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
+            **(QWEN3_VL_MOE if moe else {})}
+    config_class, model_class = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe
+                                 else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
+    config = config_class(text_config=text, vision_config=QWEN3_VISION, image_token_id=ids["<|image_pad|>"],
+                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                          vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).eval()
-    decisive_language_model(model, "qwen3_vl", seed, 2)
+    model = model_class(config).eval()
+    decisive_language_model(model, "qwen3_vl_moe" if moe else "qwen3_vl", seed, 2)
     model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    if moe:
+        write_hub_expert_layout(folder)
     write_qwen3_processors(folder)
     return folder
 
@@ -129,6 +166,31 @@ def write_qwen3_processors(folder: Path) -> None:
              "do_sample_frames": True, "size": {"shortest_edge": 4096, "longest_edge": 25165824}}
     (folder / "preprocessor_config.json").write_text(json.dumps(image, indent=1))
     (folder / "video_preprocessor_config.json").write_text(json.dumps(video, indent=1))
+
+
+# A small Qwen2-VL: its tower (14 px patches, 2D rotary, LayerNorm, QuickGELU, no windows) of one
+# narrow block, and Qwen2.5-VL's small language model. ``in_chans`` as the hub's configs spell it
+# (SGLang's model reads that name; transformers' is ``in_channels``).
+QWEN2_VISION = dict(depth=1, embed_dim=64, num_heads=2, mlp_ratio=2, hidden_act="quick_gelu", patch_size=PATCH,
+                    spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_chans=3)
+
+
+def write_qwen2_vl_checkpoint(folder: str | Path, seed: int = 0, hidden_size: int = 256) -> Path:
+    """A seeded Qwen2-VL folder (see :data:`QWEN2_VISION`), with Qwen2.5-VL's image processor config."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(folder)
+    fields = model_config(hidden_size, ids, layers=2)
+    config = Qwen2VLConfig(**{**fields, "vision_config": {**QWEN2_VISION, "hidden_size": hidden_size}})
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    decisive_language_model(model, "qwen2_vl", seed, 2)
+    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    write_qwen2_processor(folder)
+    return folder
 
 
 # A small Qwen3.5: Qwen3-VL's tower without deepstack layers (as the hub's Qwen3.5 configs say:
@@ -182,12 +244,14 @@ if __name__ == "__main__":
     ap.add_argument("--hidden-size", type=int, default=3584, help="language width = vision output (default 3584)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=1, help="language model layers (default 1)")
-    ap.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "minimax_m3_vl",
-                                         "qwen2_audio"], default="qwen2_5_vl",
+    ap.add_argument("--family", choices=["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
+                                         "minimax_m3_vl", "qwen2_audio"], default="qwen2_5_vl",
                     help="every family but qwen2_5_vl: a fixed small shape (--hidden-size and --layers do not apply)")
     args = ap.parse_args()
-    if args.family == "qwen3_vl":
-        print(write_qwen3_vl_checkpoint(args.folder, args.seed))
+    if args.family in ("qwen3_vl", "qwen3_vl_moe"):
+        print(write_qwen3_vl_checkpoint(args.folder, args.seed, moe=args.family == "qwen3_vl_moe"))
+    elif args.family == "qwen2_vl":
+        print(write_qwen2_vl_checkpoint(args.folder, args.seed))
     elif args.family in ("qwen3_5", "qwen3_5_moe"):
         print(write_qwen3_5_checkpoint(args.folder, args.seed, moe=args.family == "qwen3_5_moe"))
     elif args.family == "minimax_m3_vl":

@@ -2,7 +2,7 @@
 the connector.
 
 In SGLang's language-only mode (ours: ``sglang_ext.language_flags``) the multimodal models still
-build their encoder towers and load their weights (SGLang 0.5.23: ``models/qwen2_5_vl.py``,
+build their encoder towers and load their weights (SGLang 0.5.23: ``models/qwen2_vl.py``, ``models/qwen2_5_vl.py``,
 ``models/qwen3_vl.py`` unless ``language_model_only``, which also turns off M-RoPE and deepstack,
 so it is no switch for a multimodal language side; ``models/qwen2_audio.py``;
 ``models/minimax_m3_vl.py``). A plugin hook after each constructor drops the towers it built when
@@ -31,6 +31,7 @@ class Tower:
 
 # SGLang's model classes -> their towers (a subclass's constructor runs its base's, hook included)
 TOWERS = {
+    "sglang.srt.models.qwen2_vl.Qwen2VLForConditionalGeneration": Tower("vision", ("visual",), ("visual.",)),
     "sglang.srt.models.qwen2_5_vl.Qwen2_5_VLForConditionalGeneration": Tower("vision", ("visual",), ("visual.",)),
     "sglang.srt.models.qwen3_vl.Qwen3VLForConditionalGeneration": Tower("vision", ("visual",), ("visual.",)),
     "sglang.srt.models.qwen2_audio.Qwen2AudioForConditionalGeneration": Tower(

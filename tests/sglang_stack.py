@@ -134,7 +134,8 @@ def generate_as_reference(language: WorkerProcess, paths: list[str], rid: str, r
     answer = generate(language, paths, rid)
     assert answer.status_code == 200, answer.text
     body = answer.json()
-    assert greedy_mismatch(body["output_ids"], reference(paths)) is None
+    why = greedy_mismatch(body["output_ids"], reference(paths))
+    assert why is None, why
     return body
 
 
