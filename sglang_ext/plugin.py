@@ -133,6 +133,9 @@ def _after_add_cli_args(_result, parser: argparse.ArgumentParser, *args, **kwarg
 
 
 def _around_prepare_server_args(original, argv, *args, **kwargs):
+    seen = requested(argv)
+    if seen is not None and seen.model_path and not seen.help:
+        refuse_family(seen.model_path)
     if without_checkpoint(argv):  # a transfer-only receiver (or an encode worker's missing-model error): SGLang's parser needs a model
         from sglang_ext.launch_server import parse, run
 
@@ -274,6 +277,16 @@ def _around_vision_sdpa(original, *args, **kwargs):
     return segmented_attention(original, *args, **kwargs)
 
 
+def refuse_family(model_path: str) -> None:
+    """Exit with one line where our roles do not serve ``model_path``'s architecture
+    (:mod:`sglang_ext.families`), before SGLang reads more than its config."""
+    from sglang_ext.families import refusal
+    from sglang_ext.model_files import checkpoint_file
+
+    if reason := refusal(checkpoint_file(model_path, "config.json")):
+        raise SystemExit(f"error: {reason}")
+
+
 def refuse_language_model_on_cpu(model_path: str) -> None:
     """Exit with one line where SGLang's CPU engine here cannot run ``model_path``'s language model
     (else it fails in its scheduler with a traceback)."""
@@ -327,9 +340,9 @@ def worker_args(server_args, argv: list[str]) -> argparse.Namespace:
     return ours
 
 
-def without_checkpoint(argv: list[str]) -> bool:
-    """True when ``argv`` asks for one of our modes without ``--model-path``: what SGLang's parser
-    refuses, and what only our workers serve (a transfer-only receiver) or refuse with our message (an encode worker)."""
+def requested(argv: list[str]) -> argparse.Namespace | None:
+    """What ``argv`` asks of our modes before SGLang parses it (``model_path``, ``help``), or
+    None when it asks for none of them (or is malformed: SGLang's parser says what is wrong)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--disaggregation-mode")
     parser.add_argument("--encoder-only", action="store_true")
@@ -338,7 +351,14 @@ def without_checkpoint(argv: list[str]) -> bool:
     parser.add_argument("-h", "--help", action="store_true")
     try:
         seen, _ = parser.parse_known_args(argv)
-    except SystemExit:  # a malformed flag: SGLang's parser says what is wrong
-        return False
+    except SystemExit:
+        return None
     ours = seen.disaggregation_mode in OUR_MODES or seen.encoder_only or seen.language_only
-    return bool(ours) and not seen.model_path and not seen.help
+    return seen if ours else None
+
+
+def without_checkpoint(argv: list[str]) -> bool:
+    """True when ``argv`` asks for one of our modes without ``--model-path``: what SGLang's parser
+    refuses, and what only our workers serve (a transfer-only receiver) or refuse with our message (an encode worker)."""
+    seen = requested(argv)
+    return seen is not None and not seen.model_path and not seen.help
