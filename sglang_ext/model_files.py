@@ -22,6 +22,20 @@ def checkpoint_file(model_path: str, name: str, revision: str | None = None) -> 
             f"that holds {name}, or a hub id in the Hugging Face cache (HF_HOME, HF_HUB_OFFLINE=1 offline)") from None
 
 
+def local_config(model_path: str) -> str | None:
+    """The path of ``model_path``'s config.json where it is here without a download: in the folder,
+    or in the Hugging Face cache for a hub id; None otherwise."""
+    if os.path.isdir(model_path):
+        return os.path.join(model_path, "config.json")
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(model_path, "config.json")
+    except Exception:  # noqa: BLE001 - not a valid hub id either
+        return None
+    return cached if isinstance(cached, str) else None
+
+
 def cpu_language_model_refusal(model_path: str) -> str | None:
     """Why SGLang's CPU engine in this install cannot run the language model of ``model_path``, or
     None. Linear-attention layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) run on a CPU only through

@@ -281,9 +281,9 @@ def refuse_family(model_path: str) -> None:
     """Exit with one line where our roles do not serve ``model_path``'s architecture
     (:mod:`sglang_ext.families`), before SGLang reads more than its config."""
     from sglang_ext.families import refusal
-    from sglang_ext.model_files import checkpoint_file
+    from sglang_ext.model_files import local_config
 
-    if reason := refusal(checkpoint_file(model_path, "config.json")):
+    if (config := local_config(model_path)) and (reason := refusal(config)):
         raise SystemExit(f"error: {reason}")
 
 

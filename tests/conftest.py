@@ -249,7 +249,6 @@ MODULE_ORDER = (
     "test_load", "test_sleep_and_stop_under_load", "test_backpressure", "test_faults_under_load",
     "test_sglang_language", "test_sleep_workers", "test_workers", "test_sglang_encoder", "test_no_silent_hang",
     "test_sglang_plugin", "test_openai_api", "test_sglang_minimax", "test_sglang_audio", "test_sglang_two_request",
-    "test_sglang_pd", "test_sglang_qwen3_5", "test_sglang_families",
 )
 
 

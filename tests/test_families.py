@@ -87,6 +87,8 @@ def test_a_served_architecture_and_sglangs_own_modes_go_on(tmp_path) -> None:
     served = checkpoint(tmp_path / "served", "Qwen2VLForConditionalGeneration")
     refused = checkpoint(tmp_path / "refused", "KimiVLForConditionalGeneration")
     plugin.refuse_family(served)
+    plugin.refuse_family(str(tmp_path / "nowhere"))  # no config here: the role's own loading says so
+    plugin.refuse_family("probe/not-in-the-cache")
     parsed = SimpleNamespace(disaggregation_mode="null", encoder_only=False, language_only=False)
     calls = []
     assert plugin._around_prepare_server_args(lambda argv: calls.append(argv) or parsed,

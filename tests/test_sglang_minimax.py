@@ -7,7 +7,9 @@ size; the encode worker knows the token count from the header by that rule
 (``sglang_encoder._resize_rule``). The reference is transformers' own
 ``MiniMaxM3SparseForConditionalGeneration.generate`` with its own processor (no resize of its
 own) on the image as SGLang's rule resizes it (its own function); greedy ids equal at every step
-(``monolithic.greedy_mismatch``). The language side allocates
+(``monolithic.greedy_mismatch``). transformers' tower mixes the images of one call (no
+attention mask across them), so the reference runs it on each image alone, as the family's own
+tower and SGLang's encode them. The language side allocates
 1024 tokens first, so 1920x1080 (2,691 tokens) and 3840x2160 (2,880) come in resume rounds.
 """
 
@@ -55,7 +57,9 @@ def workers(folder):
 
 
 @pytest.fixture(scope="module")
-def reference(folder):
+def transformers_model(folder):
+    """transformers' model of the family, its processor, and ``pictures(paths)``: the images as
+    SGLang's rule resizes them (its own function; the processor then keeps the size)."""
     import torch
     from sglang.srt.multimodal.processors.minimax_m3_vl import DEFAULT_IMAGE_LONG_SIDE, _resize_image_to_long_side
     from transformers import AutoProcessor, MiniMaxM3SparseForConditionalGeneration
@@ -64,10 +68,34 @@ def reference(folder):
     model = MiniMaxM3SparseForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).eval()
     factor = processor.image_processor.patch_size * processor.image_processor.merge_size
 
+    def pictures(paths: list[str]) -> list[Image.Image]:
+        return [_resize_image_to_long_side(Image.open(p).convert("RGB"), factor, DEFAULT_IMAGE_LONG_SIDE)
+                for p in paths]
+
+    return model, processor, pictures
+
+
+def each_image_alone(get_image_features):
+    """transformers' ``get_image_features``, one call per image. Its tower runs every image of a
+    call as one sequence with no attention mask, so each image's patches attend to the others';
+    the family's own tower, as SGLang's, attends within each image."""
+    def per_image(pixel_values, image_grid_thw, **kwargs):
+        pixels = pixel_values.split(image_grid_thw.prod(-1).tolist())
+        outputs = [get_image_features(p, grid[None], **kwargs) for p, grid in zip(pixels, image_grid_thw, strict=True)]
+        outputs[0].pooler_output = tuple(out.pooler_output[0] for out in outputs)
+        return outputs[0]
+
+    return per_image
+
+
+@pytest.fixture(scope="module")
+def reference(transformers_model):
+    """transformers' ``generate``, its tower run on each image alone (:func:`each_image_alone`)."""
+    model, processor, pictures = transformers_model
+    model.model.get_image_features = each_image_alone(model.model.get_image_features)
+
     def greedy(paths: list[str]) -> Greedy:
-        pictures = [_resize_image_to_long_side(Image.open(p).convert("RGB"), factor, DEFAULT_IMAGE_LONG_SIDE)
-                    for p in paths]
-        inputs = processor(text=[prompt(len(paths))], images=pictures, do_resize=False, return_tensors="pt")
+        inputs = processor(text=[prompt(len(paths))], images=pictures(paths), do_resize=False, return_tensors="pt")
         return greedy_generate(model, inputs, NEW_TOKENS)
 
     return greedy
@@ -119,6 +147,28 @@ def test_an_openai_chat_is_generates_answer(workers, images, folder) -> None:
         messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data}},
                                                {"type": "text", "text": "Describe it."}]}])
     assert chat.choices[0].message.content == generate(language, [images["448x448"]], "minimax-chat")["text"]
+
+
+def test_transformers_tower_mixes_the_images_of_one_call_and_the_reference_does_not(transformers_model,
+                                                                                   images) -> None:
+    """Why the reference runs the tower per image: two images in one call of transformers' own
+    ``get_image_features`` give other rows than each alone, by far more than a rounding."""
+    import torch
+
+    model, processor, pictures = transformers_model
+    pair = pictures([images["other"], images["448x448"]])
+    original = type(model.model).get_image_features.__get__(model.model)
+
+    def rows(get_image_features, shown: list[Image.Image]) -> torch.Tensor:
+        inputs = processor.image_processor(images=shown, do_resize=False, return_tensors="pt")
+        with torch.inference_mode():
+            out = get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+        return torch.cat(out.pooler_output).float()
+
+    alone = torch.cat([rows(original, [picture]) for picture in pair])
+    together = rows(original, pair)
+    assert (together - alone).abs().max() > 0.1 * alone.abs().max()  # mixed
+    assert torch.equal(rows(each_image_alone(original), pair), alone)
 
 
 def test_the_reference_depends_on_the_picture(reference, images) -> None:
