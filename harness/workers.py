@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -36,10 +37,32 @@ def embedding_width(folder: str) -> int:
     return width(argparse.Namespace(hidden_size=None, model_path=folder))
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+# The ports tests give their servers: below the kernel's ephemeral range, where no outgoing
+# connection takes its own port. A port in that range, freed by a killed server, can be held by
+# one of the run's many connections (or by a prober's self-connect to it) when the server is
+# started again on it.
+PORTS = range(20000, _ephemeral_low())
+_pick = random.Random()  # its own: a test that seeds the module's random (hypothesis does) picks nothing alike
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no socket holds on 127.0.0.1 now, from :data:`PORTS`."""
+    for _ in range(1000):
+        port = _pick.choice(PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
 
 
 SGLANG_READY = "The server is fired up and ready to roll!"  # what SGLang's server logs once it serves

@@ -268,14 +268,12 @@ def wake_both(epd, level: int) -> None:
     assert woke.status_code == 200 and woke.json()["is_sleeping"] is False, woke.text
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_a_sleep_of_prefill_and_decode_mid_transfer_and_mid_decode_keeps_every_token(epd, images, reference,
-                                                                                     level) -> None:
-    """Prefill and decode asleep at once while one request decodes (a long answer, its decode
-    batches under way) and another's 3840x2160 image is in transfer from the encoder to the
-    prefill: neither answers while they sleep; after the wake-up both end with the ids the same
-    requests got unslept, which equal transformers' (the long one as ``long_run_mismatch``
-    compares a long run), and every pool is whole."""
+def test_a_sleep_of_prefill_and_decode_mid_transfer_and_mid_decode_keeps_every_token(epd, images, reference) -> None:
+    """Prefill and decode asleep at once (level 1, then level 2) while one request decodes (a long
+    answer, its decode batches under way) and another's 3840x2160 image is in transfer from the
+    encoder to the prefill: neither answers, nor decodes, while they sleep; after the wake-up both
+    end with the ids the same requests got unslept, which equal transformers' (the long one as
+    ``long_run_mismatch`` compares a long run), and every pool is whole."""
     def bodies() -> tuple[dict, dict]:
         return ({"text": prompt(1), "image_data": [images["1920x1080"]],
                  "sampling_params": {"max_new_tokens": SLEEP_TOKENS, "temperature": 0, "ignore_eos": True}},
@@ -284,29 +282,35 @@ def test_a_sleep_of_prefill_and_decode_mid_transfer_and_mid_decode_keeps_every_t
 
     unslept = [requests.post(f"{epd.router}/generate", json=body, timeout=300) for body in bodies()]
     assert all(answer.status_code == 200 for answer in unslept), [answer.text[:300] for answer in unslept]
-    long_body, large_body = bodies()
+    why, _ = long_run_mismatch(unslept[0].json()["output_ids"], reference([images["1920x1080"]], SLEEP_TOKENS))
+    assert why is None, why
+    assert greedy_mismatch(unslept[1].json()["output_ids"], reference([images["3840x2160"]])) is None
+    for level in (1, 2):
+        answers = asleep_mid_request(epd, level, *bodies())
+        for answer, before in zip(answers, unslept, strict=True):
+            assert answer.status_code == 200, answer.text[:300]
+            assert answer.json()["output_ids"] == before.json()["output_ids"], f"level {level}"
+        pools_whole(epd, epd.prefill, epd.decode)
+
+
+def asleep_mid_request(epd, level: int, long_body: dict, large_body: dict) -> list[requests.Response]:
+    """The long request once it decodes, the 4K one once its image is in transfer; both servers
+    asleep at ``level`` for 2 s (no answer, no decode batch meanwhile), then awake: the answers."""
     with ThreadPoolExecutor(2) as pool:
         decoding = decode_batches(epd.decode)
         long = pool.submit(requests.post, f"{epd.router}/generate", json=long_body, timeout=300)
         wait_for(lambda: decode_batches(epd.decode) > decoding or long.done(), 120, "the long answer's decode")
         large = pool.submit(requests.post, f"{epd.router}/generate", json=large_body, timeout=300)
         wait_for(lambda: connector_health(epd.prefill)["transferring"] or large.done(), 120, "the 4K transfer")
-        assert not long.done() and not large.done(), "a request ended before the sleep"
+        assert not long.done() and not large.done(), f"level {level}: a request ended before the sleep"
         sleep_both(epd, level)
         time.sleep(0.5)  # a decode step under way at the pause may still log
         paused = decode_batches(epd.decode)
         time.sleep(2.0)
-        assert not long.done() and not large.done(), "a request ended while asleep"
-        assert decode_batches(epd.decode) == paused, "the decode went on while asleep"
+        assert not long.done() and not large.done(), f"level {level}: a request ended while asleep"
+        assert decode_batches(epd.decode) == paused, f"level {level}: the decode went on while asleep"
         wake_both(epd, level)
-        answers = [long.result(), large.result()]
-    for answer, before in zip(answers, unslept, strict=True):
-        assert answer.status_code == 200, answer.text[:300]
-        assert answer.json()["output_ids"] == before.json()["output_ids"]
-    why, _ = long_run_mismatch(answers[0].json()["output_ids"], reference([images["1920x1080"]], SLEEP_TOKENS))
-    assert why is None, why
-    assert greedy_mismatch(answers[1].json()["output_ids"], reference([images["3840x2160"]])) is None
-    pools_whole(epd, epd.prefill, epd.decode)
+        return [long.result(), large.result()]
 
 
 def kill(worker: WorkerProcess) -> None:

@@ -117,13 +117,14 @@ def test_video_rows_equal_transformers_tower_on_the_frames_sglang_samples(encode
         assert steps_apart(encoded[name], expected.roll(1, dims=0)) > 10 * SAME_ROWS_STEPS, name
 
 
-def test_the_encode_worker_starts_and_the_language_roles_are_refused_in_one_line(family, folder) -> None:
+def test_the_encode_worker_starts_and_the_language_roles_are_refused_in_one_line(tmp_path) -> None:
+    """Through SGLang's launcher, on Qwen3.5 (Qwen3.5-MoE's roles run the same code; its rows
+    above show its encoder)."""
+    family, folder = "Qwen3_5", str(write_qwen3_5_checkpoint(tmp_path / "Qwen3_5"))  # family: the refusal names it
     launch = [sys.executable, "-m", "sglang.launch_server", "--model-path", folder, "--port", "1"]
     roles = {"language": ("--disaggregation-mode", "language", "--encoder-urls", "http://127.0.0.1:1"),
              "prefill": ("--disaggregation-mode", "prefill", "--language-only", "--encoder-urls", "http://127.0.0.1:1"),
              "decode": ("--disaggregation-mode", "decode")}
-    if family == "Qwen3_5Moe":  # the same check: the language role for this family, the PD roles once
-        roles = {"language": roles["language"]}
     with ThreadPoolExecutor(len(roles) + 1) as pool:
         encoder = pool.submit(WorkerProcess, "encode", "--model-path", folder)
         refused = {role: pool.submit(subprocess.run, [*launch, *flags], capture_output=True, text=True, timeout=120)
@@ -139,6 +140,6 @@ def test_the_encode_worker_starts_and_the_language_roles_are_refused_in_one_line
     try:
         health = requests.get(f"{worker.url}/health", timeout=10).json()
         assert health["status"] == "ok" and health["modalities"] == ["image", "video"]
-        assert f"encoder=sglang:{family.lower().replace('moe', '_moe')}" in worker.ready_line
+        assert "encoder=sglang:qwen3_5" in worker.ready_line
     finally:
         worker.stop()
