@@ -118,6 +118,29 @@ def write_hub_expert_layout(folder: Path) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def qwen3_text_config(ids: dict[str, int], **fields) -> dict:
+    """The small language model of the Qwen3-VL-style families (2 layers of 256, 2 heads of 128),
+    with the tokenizer's special ids; ``fields`` add or override (rotary, layer kinds, experts)."""
+    return {"vocab_size": VOCAB_SIZE, "hidden_size": QWEN3_HIDDEN, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6, "hidden_act": "silu", "initializer_range": TEXT_INIT,
+            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
+            **fields}
+
+
+def qwen3_family_model(classes: tuple, ids: dict[str, int], text: dict, vision: dict, seed: int):  # noqa: ANN201
+    """A seeded model of a Qwen3-VL-style family: ``classes`` (its config and model classes)
+    built from ``text`` and ``vision`` configs, with the tokenizer's special ids."""
+    import torch
+
+    config_class, model_class = classes
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                          vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return model_class(config).eval()
+
+
 def write_qwen3_vl_checkpoint(folder: str | Path, seed: int = 0, moe: bool = False) -> Path:
     """A seeded Qwen3-VL (``moe``: Qwen3-VL-MoE) folder (see :data:`QWEN3_VISION`), with its image
     and video processor configs."""
@@ -132,20 +155,12 @@ def write_qwen3_vl_checkpoint(folder: str | Path, seed: int = 0, moe: bool = Fal
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(folder)
-    text = {"vocab_size": VOCAB_SIZE, "hidden_size": QWEN3_HIDDEN, "intermediate_size": 512, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 32768,
-            "rms_norm_eps": 1e-6, "hidden_act": "silu", "initializer_range": TEXT_INIT,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
-                                "mrope_interleaved": True},
-            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
-            **(QWEN3_VL_MOE if moe else {})}
-    config_class, model_class = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe
-                                 else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
-    config = config_class(text_config=text, vision_config=QWEN3_VISION, image_token_id=ids["<|image_pad|>"],
-                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                          vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
+    text = qwen3_text_config(ids, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                                   "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+                             **(QWEN3_VL_MOE if moe else {}))
+    classes = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe
+               else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
+    model = qwen3_family_model(classes, ids, text, QWEN3_VISION, seed)
     decisive_language_model(model, "qwen3_vl_moe" if moe else "qwen3_vl", seed, 2)
     model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
     if moe:
@@ -216,23 +231,16 @@ def write_qwen3_5_checkpoint(folder: str | Path, seed: int = 0, moe: bool = Fals
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(folder)
-    text = {"vocab_size": VOCAB_SIZE, "hidden_size": QWEN3_HIDDEN, "intermediate_size": 512, "num_hidden_layers": 2,
-            "layer_types": ["linear_attention", "full_attention"], "full_attention_interval": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 128, "linear_num_key_heads": 2,
-            "linear_num_value_heads": 2, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
-            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-            "initializer_range": TEXT_INIT,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "mrope_section": [6, 5, 5],
-                                "mrope_interleaved": True, "partial_rotary_factor": 0.25},
-            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
-            **(QWEN3_5_MOE if moe else {})}
-    config_class, model_class = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if moe
-                                 else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
-    config = config_class(text_config=text, vision_config=QWEN3_5_VISION, image_token_id=ids["<|image_pad|>"],
-                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                          vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
+    text = qwen3_text_config(ids, layer_types=["linear_attention", "full_attention"], full_attention_interval=2,
+                             linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=64,
+                             linear_value_head_dim=64,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                              "mrope_section": [6, 5, 5], "mrope_interleaved": True,
+                                              "partial_rotary_factor": 0.25},
+                             **(QWEN3_5_MOE if moe else {}))
+    classes = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if moe
+               else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
+    model = qwen3_family_model(classes, ids, text, QWEN3_5_VISION, seed)
     model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
     write_qwen3_processors(folder)
     return folder

@@ -139,6 +139,28 @@ def generate_as_reference(language: WorkerProcess, paths: list[str], rid: str, r
     return body
 
 
+def family_reference(folder: str):
+    """``greedy(paths, videos=())``: transformers' own model of the checkpoint's family (bf16)
+    ``generate`` from the pixels, a ``monolithic.Greedy``: its processor expands the placeholders
+    and makes the patches, its model runs the tower; videos are the frames SGLang's encoder samples,
+    with their times (the processor puts each temporal patch's timestamp in the prompt)."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16).eval()
+
+    def greedy(paths: list[str], videos: list[str] = ()) -> Greedy:
+        pictures = [Image.open(p).convert("RGB") for p in paths] or None
+        sampled = [sampled_frames(v) for v in videos]
+        clips = {"videos": [f for f, _ in sampled], "video_metadata": [m for _, m in sampled],
+                 "do_sample_frames": False} if videos else {}
+        return greedy_generate(model, processor(text=[prompt(len(paths), len(videos))], images=pictures,
+                                                return_tensors="pt", **clips), NEW_TOKENS)
+
+    return greedy
+
+
 def image_reference(folder: str, model=None):
     """``greedy(paths, new_tokens)``: transformers' monolithic greedy ids (a ``monolithic.Greedy``)
     of :func:`prompt` with ``paths``, from the pixels: :func:`text_reference` on that prompt."""

@@ -23,18 +23,17 @@ import psutil
 import pytest
 import requests
 from make_checkpoint import write_qwen3_vl_checkpoint
-from monolithic import Greedy, greedy_generate, greedy_mismatch, sampled_frames
-from PIL import Image
+from monolithic import greedy_mismatch
 from sglang_stack import (
     CLIPS,
     NEW_TOKENS,
     SGLANG_LAUNCH,
     SIZES,
     encoder_health,
+    family_reference,
     generate,
     generate_as_reference,
     generate_videos,
-    prompt,
     sglang_pair,
     write_clips,
     write_images,
@@ -76,25 +75,8 @@ def workers(folder):
 
 @pytest.fixture(scope="module")
 def reference(folder):
-    """transformers' own Qwen3-VL ``generate`` from the pixels: its processor expands the
-    placeholders and makes the patches, its model runs the tower."""
-    import torch
-    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(folder)
-    model = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).eval()
-
-    def greedy(paths: list[str], videos: list[str] = ()) -> Greedy:
-        """Images, then videos (the frames SGLang samples, with their times: the processor puts
-        each temporal patch's timestamp in the prompt)."""
-        pictures = [Image.open(p).convert("RGB") for p in paths] or None
-        sampled = [sampled_frames(v) for v in videos]
-        clips = {"videos": [f for f, _ in sampled], "video_metadata": [m for _, m in sampled],
-                 "do_sample_frames": False} if videos else {}
-        return greedy_generate(model, processor(text=[prompt(len(paths), len(videos))], images=pictures,
-                                                return_tensors="pt", **clips), NEW_TOKENS)
-
-    return greedy
+    """transformers' own Qwen3-VL ``generate`` from the pixels (``sglang_stack.family_reference``)."""
+    return family_reference(folder)
 
 
 def test_the_encode_worker_runs_sglangs_encoder_for_the_checkpoint(workers) -> None:

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import pytest
 from make_checkpoint import write_qwen2_vl_checkpoint, write_qwen3_vl_checkpoint
-from monolithic import Greedy, greedy_generate, greedy_mismatch, sampled_frames
-from PIL import Image
+from monolithic import greedy_mismatch
 from sglang_stack import (
-    NEW_TOKENS,
+    family_reference,
     generate,
     generate_as_reference,
     generate_videos,
-    prompt,
     sglang_pair,
     write_clips,
     write_images,
@@ -60,23 +58,7 @@ def workers(folder):
 
 @pytest.fixture(scope="module")
 def reference(folder):
-    """transformers' own model of the family, ``generate`` from the pixels (its processor expands
-    the placeholders; videos: the frames SGLang's encoder samples, with their times)."""
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(folder)
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16).eval()
-
-    def greedy(paths: list[str], videos: list[str] = ()) -> Greedy:
-        pictures = [Image.open(p).convert("RGB") for p in paths] or None
-        sampled = [sampled_frames(v) for v in videos]
-        clips = {"videos": [f for f, _ in sampled], "video_metadata": [m for _, m in sampled],
-                 "do_sample_frames": False} if videos else {}
-        return greedy_generate(model, processor(text=[prompt(len(paths), len(videos))], images=pictures,
-                                                return_tensors="pt", **clips), NEW_TOKENS)
-
-    return greedy
+    return family_reference(folder)
 
 
 def test_images_equal_monolithic_and_another_image_is_caught(family, workers, media, reference) -> None:
