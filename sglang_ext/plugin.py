@@ -134,13 +134,14 @@ def _after_add_cli_args(_result, parser: argparse.ArgumentParser, *args, **kwarg
 
 def _around_prepare_server_args(original, argv, *args, **kwargs):
     seen = requested(argv)
-    if seen is not None and seen.model_path and not seen.help:
-        refuse_family(seen.model_path)
-    if without_checkpoint(argv):  # a transfer-only receiver (or an encode worker's missing-model error): SGLang's parser needs a model
-        from sglang_ext.launch_server import parse, run
+    if seen is not None and not seen.help:
+        if seen.model_path:
+            refuse_family(seen.model_path)
+        else:  # a transfer-only receiver (or an encode worker's missing-model error): SGLang's parser needs a model
+            from sglang_ext.launch_server import parse, run
 
-        run(parse(argv))
-        sys.exit(0)
+            run(parse(argv))
+            sys.exit(0)
     server_args = original(argv, *args, **kwargs)
     if our_mode(server_args) is None:
         from sglang_ext.language_flags import on_cpu
@@ -356,9 +357,3 @@ def requested(argv: list[str]) -> argparse.Namespace | None:
     ours = seen.disaggregation_mode in OUR_MODES or seen.encoder_only or seen.language_only
     return seen if ours else None
 
-
-def without_checkpoint(argv: list[str]) -> bool:
-    """True when ``argv`` asks for one of our modes without ``--model-path``: what SGLang's parser
-    refuses, and what only our workers serve (a transfer-only receiver) or refuse with our message (an encode worker)."""
-    seen = requested(argv)
-    return seen is not None and not seen.model_path and not seen.help
